@@ -1,0 +1,194 @@
+"""The Python binding shared by every flashladder step (copied into each step package as _binding.py).
+
+It never links libtorch: the step's kernel is a plain C library (_kernel.so, see common/flashladder.cuh)
+loaded with ctypes. This module checks the tensors, then hands the library raw device pointers, strides
+and torch's current CUDA stream. Because nothing is compiled against torch's C++ ABI, one build works
+with every torch version (no `undefined symbol` after a torch upgrade).
+
+The call is a real torch op (torch.library.custom_op + register_fake): it works under
+torch.compile(fullgraph=True) and inside CUDA-graph capture; it launches on the current stream and never
+synchronizes. Bad input raises ValueError/TypeError/RuntimeError before any launch; a failed launch raises.
+"""
+import ctypes
+import functools
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+HEAD_DIM = 128
+ABI_VERSION = 1      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
+MAX_GRID_YZ = 65535  # heads and batch are the grid's y and z dimensions
+
+
+class FwdParams(ctypes.Structure):
+    """Mirror of `struct FwdParams` in common/flashladder.cuh, field by field."""
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p), ("lse", ctypes.c_void_p),
+        ("q_stride", ctypes.c_int64 * 3), ("k_stride", ctypes.c_int64 * 3),
+        ("v_stride", ctypes.c_int64 * 3), ("o_stride", ctypes.c_int64 * 3),
+        ("batch", ctypes.c_int32), ("heads", ctypes.c_int32),
+        ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+    ]
+
+
+def _load_library(path: Path) -> ctypes.CDLL:
+    if not path.exists():
+        raise ImportError(f"{path} is missing: build the step first (pip install steps/<step>, or python -m verify)")
+    lib = ctypes.CDLL(str(path))
+    lib.flashladder_abi_version.restype = ctypes.c_int
+    lib.flashladder_seqlen_multiple.restype = ctypes.c_int
+    lib.flashladder_error_string.restype = ctypes.c_char_p
+    lib.flashladder_error_string.argtypes = [ctypes.c_int]
+    lib.flashladder_fwd.restype = ctypes.c_int
+    lib.flashladder_fwd.argtypes = [ctypes.POINTER(FwdParams), ctypes.c_void_p]
+    if lib.flashladder_abi_version() != ABI_VERSION:
+        raise ImportError(f"{path} was built for ABI {lib.flashladder_abi_version()}, this binding speaks {ABI_VERSION}: rebuild it")
+    return lib
+
+
+def check_inputs(step: str, seqlen_multiple: int, q, k, v, o=None, lse=None) -> None:
+    """Everything about the tensors' metadata that the kernel relies on. Raises, naming the problem.
+
+    Works on fake tensors too (torch.compile traces it); pointer alignment and the GPU's architecture
+    are checked at launch (check_launch).
+    """
+    where = f"flashladder.{step}"
+    named = {"q": q, "k": k, "v": v}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{where}: {name} must be 4-D [batch, heads, seqlen, {HEAD_DIM}], got shape {tuple(t.shape)}")
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{where}: {name} has dtype {t.dtype}; flashladder computes in torch.bfloat16 only")
+        if t.shape[-1] != HEAD_DIM:
+            raise ValueError(f"{where}: head dim must be {HEAD_DIM}, {name} has shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{where}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2]:
+        raise ValueError(f"{where}: q and k/v must agree on [batch, heads], got {tuple(q.shape)} and {tuple(k.shape)}")
+    for name, t in named.items():
+        if t.numel() == 0:
+            raise ValueError(f"{where}: {name} is empty (shape {tuple(t.shape)})")
+    batch, heads, seqlen_q, seqlen_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    for name, n in (("q", seqlen_q), ("k/v", seqlen_k)):
+        if n % seqlen_multiple != 0:
+            raise ValueError(f"{where}: {name} seqlen {n} is not supported: this step needs a multiple of {seqlen_multiple}")
+    if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ or seqlen_q * heads * batch >= 2**31:
+        raise ValueError(f"{where}: shape {tuple(q.shape)} is too large (batch, heads <= {MAX_GRID_YZ}; batch*heads*seqlen < 2^31)")
+    for name, t in named.items():
+        if t.stride(-1) != 1 or any(s % 8 != 0 for s in t.stride()[:3]):
+            raise ValueError(f"{where}: {name} has strides {t.stride()}: the last dim must be contiguous (stride 1) "
+                             "and the other strides multiples of 8 elements (16 bytes); call .contiguous() first")
+    if (o is None) != (lse is None):
+        raise ValueError(f"{where}: pass both o and lse, or neither")
+    if o is not None:
+        if o.shape != q.shape or o.dtype != torch.bfloat16 or not o.is_contiguous():
+            raise ValueError(f"{where}: o must be a contiguous bf16 tensor of q's shape {tuple(q.shape)}, "
+                             f"got {o.dtype} {tuple(o.shape)} strides {o.stride()}")
+        if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous():
+            raise ValueError(f"{where}: lse must be a contiguous float32 tensor of shape {tuple(q.shape[:3])}, "
+                             f"got {lse.dtype} {tuple(lse.shape)}")
+    tensors = {**named, **({"o": o, "lse": lse} if o is not None else {})}
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(f"{where}: {name} is on {t.device}; flashladder runs on a CUDA device (an sm_90 GPU)")
+        if t.device != q.device:
+            raise ValueError(f"{where}: all tensors must be on one device: q is on {q.device}, {name} on {t.device}")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(index: int) -> tuple:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.name
+
+
+def check_launch(step: str, tensors: dict) -> None:
+    """What only real tensors on a real GPU can tell: the architecture and the pointers' alignment."""
+    q = tensors["q"]
+    (major, minor), name = _device_arch(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if (major, minor) != (9, 0):
+        raise RuntimeError(f"flashladder.{step}: needs an sm_90 GPU (H100/H200; the kernels are built for sm_90a), "
+                           f"but {q.device} is {name} (sm_{major}{minor})")
+    for tname, t in tensors.items():
+        if t.data_ptr() % 16 != 0:
+            raise ValueError(f"flashladder.{step}: {tname}'s data pointer is not 16-byte aligned "
+                             "(a view at an odd offset?); call .contiguous() first")
+
+
+def bind_step(module_name: str):
+    """Build the public API of the step package `module_name` (e.g. 'flashladder.step01')."""
+    step = module_name.rsplit(".", 1)[-1]
+    lib = _load_library(Path(sys.modules[module_name].__file__).resolve().parent / "_kernel.so")
+    seqlen_multiple = lib.flashladder_seqlen_multiple()
+
+    def launch(q, k, v, o, lse, scale: float) -> None:
+        tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
+        check_launch(step, tensors)
+        params = FwdParams(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+            (ctypes.c_int64 * 3)(*q.stride()[:3]), (ctypes.c_int64 * 3)(*k.stride()[:3]),
+            (ctypes.c_int64 * 3)(*v.stride()[:3]), (ctypes.c_int64 * 3)(*o.stride()[:3]),
+            q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale)
+        with torch.cuda.device(q.device):
+            stream = torch.cuda.current_stream(q.device).cuda_stream
+            err = lib.flashladder_fwd(ctypes.byref(params), ctypes.c_void_p(stream))
+        if err != 0:
+            raise RuntimeError(f"flashladder.{step}: kernel launch failed: {lib.flashladder_error_string(err).decode()} "
+                               f"(cudaError {err})")
+
+    @torch.library.custom_op(f"flashladder::{step}", mutates_args=(), device_types="cuda")
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        check_inputs(step, seqlen_multiple, q, k, v)
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        launch(q, k, v, o, lse, scale)
+        return o, lse
+
+    @fwd.register_fake
+    def _(q, k, v, scale):
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @torch.library.custom_op(f"flashladder::{step}_out", mutates_args=("o", "lse"), device_types="cuda")
+    def fwd_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+        check_inputs(step, seqlen_multiple, q, k, v, o, lse)
+        launch(q, k, v, o, lse, scale)
+
+    @fwd_out.register_fake
+    def _(q, k, v, o, lse, scale):
+        return None
+
+    def default_scale(scale: Optional[float]) -> float:
+        if scale is None:
+            return 1.0 / math.sqrt(HEAD_DIM)
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ValueError(f"flashladder.{step}: scale must be a finite float, got {scale!r}")
+        return float(scale)
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None):
+        """O = softmax(q k^T * scale) v and LSE = logsumexp(q k^T * scale) (natural log).
+
+        q: bf16 [batch, heads, seqlen_q, 128]; k, v: bf16 [batch, heads, seqlen_k, 128], on one sm_90 GPU.
+        Returns (o: bf16 [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]).
+        scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
+        """
+        scale = default_scale(scale)
+        check_inputs(step, seqlen_multiple, q, k, v)
+        return fwd(q, k, v, scale)
+
+    def attention_out(q, k, v, o, lse, scale: Optional[float] = None) -> None:
+        """attention(), writing into caller-provided contiguous o (bf16) and lse (float32)."""
+        scale = default_scale(scale)
+        check_inputs(step, seqlen_multiple, q, k, v, o, lse)
+        fwd_out(q, k, v, o, lse, scale)
+
+    attention.__module__ = attention_out.__module__ = module_name
+    info = {"step": step, "seqlen_multiple": seqlen_multiple, "library": lib._name,
+            "ptxas_report": (Path(lib._name).parent / "_ptxas.txt").read_text()
+            if (Path(lib._name).parent / "_ptxas.txt").exists() else ""}
+    return attention, attention_out, info

@@ -1,0 +1,164 @@
+// flashladder step01 -- the algorithm, plainly.
+//
+// The ladder (see README.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
+// 05 double buffering -> 06 instruction diet -> 07 TMA -> 08/09 wgmma -> 10 warp specialization ->
+// 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax tricks -> 14 persistent kernel.
+//
+// WHAT THIS STEP IS
+//   O = softmax(Q K^T * scale) V and LSE = logsumexp(Q K^T * scale), computed the FlashAttention
+//   way, in the plainest correct CUDA: scalar fp32 FMAs, no tensor cores, no tricks.
+//
+// WHY NOTHING OF SIZE N x N TOUCHES MEMORY
+//   The naive way materializes S = Q K^T (N x N per head: 16K x 16K x 4 B = 1 GiB per head at N = 16K),
+//   then softmax(S), then P V. FlashAttention never forms S: a block of threads owns BLOCK_M query rows
+//   and streams over the keys in tiles of BLOCK_N. For each K/V tile it computes the BLOCK_M x BLOCK_N
+//   scores in fast on-chip memory, folds them into a running result, and throws them away. Global
+//   memory sees Q, K, V once per block and O, LSE once: O(N * d) traffic instead of O(N^2).
+//
+// THE ONLINE-SOFTMAX UPDATE (per query row; m = running max, l = running sum, O_acc = running output)
+//   Start: m = -inf, l = 0, O_acc = 0. For each key tile j with scores s_j (a row of BLOCK_N numbers):
+//       m_new  = max(m, max(s_j))
+//       alpha  = exp(m - m_new)                 // how much the old terms shrink under the new max
+//       p_j    = exp(s_j - m_new)               // this tile's unnormalized probabilities, all <= 1
+//       l      = alpha * l + sum(p_j)
+//       O_acc  = alpha * O_acc + p_j V_j
+//       m      = m_new
+//   After the last tile every earlier term has been rescaled to the final max, so
+//       O   = O_acc / l                         // the final normalization, once per row
+//       LSE = m + log(l)                        // = log(sum_k exp(s_k)), no overflow at any step
+//   Subtracting the running max keeps every exp() argument <= 0, so nothing overflows even for
+//   logits of 1e4. verify/model.py is the same loop in float64 numpy.
+//
+// HOW THE WORK IS SPLIT
+//   grid  = (seqlen_q / BLOCK_M, heads, batch): one block per 64 query rows of one (batch, head).
+//   block = 256 threads; 4 threads own each query row ("a quad"). Thread `part` of a quad computes
+//   the scores of key columns part, part+4, part+8, ... of each tile, and output dims
+//   [part*32, part*32+32). The quad combines its row max and row sum with two shuffles.
+//   Shared memory: the Q tile (loaded once), the current K and V tiles, and P (the probabilities of
+//   the tile, because every thread of a row needs all BLOCK_N of them for P V): 64 KB in all, above
+//   the 48 KB default, so the launcher raises the block's dynamic shared-memory limit.
+//
+// MEASURED (results/h200/, python -m verify): see the README's table. It is meant to be slow: every
+//   multiply-add is a scalar FFMA fed from shared memory; the tensor cores (step02) sit idle.
+#include "flashladder.cuh"
+
+namespace {
+
+constexpr int BLOCK_M = 64;                                // query rows per block
+constexpr int BLOCK_N = 64;                                // keys per K/V tile
+constexpr int NUM_THREADS = 256;
+constexpr int THREADS_PER_ROW = NUM_THREADS / BLOCK_M;     // 4: a quad of lanes per query row
+constexpr int COLS_PER_THREAD = BLOCK_N / THREADS_PER_ROW; // 16 score columns per thread
+constexpr int DIMS_PER_THREAD = HEAD_DIM / THREADS_PER_ROW; // 32 output dims per thread
+constexpr int SMEM_BYTES = (BLOCK_M + 2 * BLOCK_N) * HEAD_DIM * sizeof(__nv_bfloat16)  // Q, K, V
+                         + BLOCK_M * BLOCK_N * sizeof(float);                          // P
+static_assert(NUM_THREADS % BLOCK_M == 0 && THREADS_PER_ROW == 4, "the quad shuffles assume 4 threads per row");
+
+// Copy a [ROWS, HEAD_DIM] bf16 tile (rows `row_stride` elements apart in global memory) into a dense
+// [ROWS, HEAD_DIM] shared-memory tile, 16 bytes per thread per copy.
+template <int ROWS>
+__device__ void load_tile(__nv_bfloat16* dst_smem, const __nv_bfloat16* src_gmem, int64_t row_stride) {
+    constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(__nv_bfloat16) / 16;  // 16 x 16 B per row
+    for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += NUM_THREADS) {
+        const int row = c / CHUNKS_PER_ROW, chunk = c % CHUNKS_PER_ROW;
+        const uint4 data = *reinterpret_cast<const uint4*>(src_gmem + row * row_stride + chunk * 8);
+        *reinterpret_cast<uint4*>(dst_smem + row * HEAD_DIM + chunk * 8) = data;
+    }
+}
+
+// Max / sum over the 4 threads of a quad (lanes 4r..4r+3 of a warp hold one query row).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __nv_bfloat16* Q_smem = reinterpret_cast<__nv_bfloat16*>(smem);  // [BLOCK_M, HEAD_DIM]
+    __nv_bfloat16* K_smem = Q_smem + BLOCK_M * HEAD_DIM;              // [BLOCK_N, HEAD_DIM]
+    __nv_bfloat16* V_smem = K_smem + BLOCK_N * HEAD_DIM;              // [BLOCK_N, HEAD_DIM]
+    float* P_smem = reinterpret_cast<float*>(V_smem + BLOCK_N * HEAD_DIM);  // [BLOCK_M, BLOCK_N]
+
+    const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int row = threadIdx.x / THREADS_PER_ROW;   // this thread's query row within the tile
+    const int part = threadIdx.x % THREADS_PER_ROW;  // which quarter of the row's work it does
+    const auto* q = static_cast<const __nv_bfloat16*>(p.q);
+    const auto* k = static_cast<const __nv_bfloat16*>(p.k);
+    const auto* v = static_cast<const __nv_bfloat16*>(p.v);
+
+    // Step 1: the Q tile, loaded once and reused against every K/V tile.
+    load_tile<BLOCK_M>(Q_smem, row_ptr(q, p.q_stride, batch, head, int64_t(q_tile) * BLOCK_M), p.q_stride[2]);
+
+    float m_i = -INFINITY;             // running max of this row's scaled scores
+    float l_i = 0.f;                   // running sum of exp(score - m_i)
+    float O_rmem[DIMS_PER_THREAD];     // running unnormalized output, dims [part*32, part*32+32)
+    for (int d = 0; d < DIMS_PER_THREAD; ++d) O_rmem[d] = 0.f;
+
+    for (int kv_tile = 0; kv_tile < p.seqlen_k / BLOCK_N; ++kv_tile) {
+        // Step 2: bring in this K/V tile. The barrier after it makes every thread's copy visible.
+        load_tile<BLOCK_N>(K_smem, row_ptr(k, p.k_stride, batch, head, int64_t(kv_tile) * BLOCK_N), p.k_stride[2]);
+        load_tile<BLOCK_N>(V_smem, row_ptr(v, p.v_stride, batch, head, int64_t(kv_tile) * BLOCK_N), p.v_stride[2]);
+        __syncthreads();  // K_smem, V_smem (and Q_smem, the first time) are complete
+
+        // Step 3: scores S = Q K^T * scale for this thread's 16 columns, and the tile's row max.
+        float S_rmem[COLS_PER_THREAD];
+        float tile_max = -INFINITY;
+        for (int j = 0; j < COLS_PER_THREAD; ++j) {
+            const int col = part + j * THREADS_PER_ROW;
+            float dot = 0.f;
+            for (int d = 0; d < HEAD_DIM; ++d)
+                dot = fmaf(__bfloat162float(Q_smem[row * HEAD_DIM + d]), __bfloat162float(K_smem[col * HEAD_DIM + d]), dot);
+            S_rmem[j] = dot * p.scale;
+            tile_max = fmaxf(tile_max, S_rmem[j]);
+        }
+
+        // Step 4: the online-softmax update of m_i and l_i; P goes to shared memory for step 5.
+        const float m_new = fmaxf(m_i, quad_max(tile_max));
+        const float alpha = expf(m_i - m_new);  // exp(-inf) = 0 on the first tile: nothing to rescale
+        float row_sum = 0.f;
+        for (int j = 0; j < COLS_PER_THREAD; ++j) {
+            const float prob = expf(S_rmem[j] - m_new);
+            P_smem[row * BLOCK_N + part + j * THREADS_PER_ROW] = prob;
+            row_sum += prob;
+        }
+        l_i = alpha * l_i + quad_sum(row_sum);
+        m_i = m_new;
+        __syncwarp();  // a row's 4 threads are in one warp: their P_smem writes are visible to each other
+
+        // Step 5: O_acc = alpha * O_acc + P V for this thread's 32 output dims.
+        for (int d = 0; d < DIMS_PER_THREAD; ++d) O_rmem[d] *= alpha;
+        for (int col = 0; col < BLOCK_N; ++col) {
+            const float prob = P_smem[row * BLOCK_N + col];
+            for (int d = 0; d < DIMS_PER_THREAD; ++d)
+                O_rmem[d] = fmaf(prob, __bfloat162float(V_smem[col * HEAD_DIM + part * DIMS_PER_THREAD + d]), O_rmem[d]);
+        }
+        __syncthreads();  // everyone is done reading K_smem, V_smem, P_smem before the next tile overwrites them
+    }
+
+    // Step 6: the final normalization, once per row, and the log-sum-exp.
+    const float inv_l = 1.f / l_i;
+    const int64_t q_row = int64_t(q_tile) * BLOCK_M + row;
+    __nv_bfloat16* O_gmem = row_ptr(static_cast<__nv_bfloat16*>(p.o), p.o_stride, batch, head, q_row) + part * DIMS_PER_THREAD;
+    for (int d = 0; d < DIMS_PER_THREAD; d += 2)
+        *reinterpret_cast<__nv_bfloat162*>(O_gmem + d) = __floats2bfloat162_rn(O_rmem[d] * inv_l, O_rmem[d + 1] * inv_l);
+    if (part == 0)
+        p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i + logf(l_i);
+}
+
+}  // namespace
+
+// ---- host launcher: grid, block, shared memory, attributes ----
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple() { return BLOCK_M > BLOCK_N ? BLOCK_M : BLOCK_N; }
+
+FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t stream) {
+    // 64 KB of dynamic shared memory is above the 48 KB a block gets without asking.
+    cudaError_t err = cudaFuncSetAttribute(attention_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    if (err != cudaSuccess) return err;
+    const dim3 grid(params->seqlen_q / BLOCK_M, params->heads, params->batch);
+    attention_fwd_kernel<<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(*params);
+    return cudaGetLastError();
+}
