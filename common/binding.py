@@ -166,8 +166,9 @@ def bind_step(module_name: str):
     def default_scale(scale: Optional[float]) -> float:
         if scale is None:
             return 1.0 / math.sqrt(HEAD_DIM)
-        if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise ValueError(f"flashladder.{step}: scale must be a finite float, got {scale!r}")
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            # positive: the kernels take the running max on the raw scores (max(s * scale) = max(s) * scale)
+            raise ValueError(f"flashladder.{step}: scale must be a finite positive float, got {scale!r}")
         return float(scale)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None):

@@ -67,7 +67,8 @@ def test_unsupported_strides(mod):
 
 
 def test_bad_scale(mod):
-    expect(mod, "scale must be a finite float", *qkv(), scale=float("nan"))
+    expect(mod, "scale must be a finite positive float", *qkv(), scale=float("nan"))
+    expect(mod, "scale must be a finite positive float", *qkv(), scale=-0.1)
 
 
 def test_cpu_tensors(mod):

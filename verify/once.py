@@ -1,6 +1,6 @@
-"""Run every selected step once on a small shape, for compute-sanitizer (memcheck / racecheck / synccheck):
+"""Run every selected step once on one shape: for compute-sanitizer and ncu, e.g.
 
-    compute-sanitizer --tool racecheck python -m verify.sanitize --steps 1-6
+    compute-sanitizer --tool racecheck python -m verify.once --steps 1-6
 """
 import argparse
 

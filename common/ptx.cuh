@@ -1,0 +1,101 @@
+// flashladder/common/ptx.cuh -- one inline function per PTX instruction the steps use.
+//
+// Each wrapper is named after its mnemonic, shows the full PTX string, and cites the section of the
+// PTX ISA (version 9.0, "Parallel Thread Execution ISA") that defines it. Why wrappers at all: CUDA C++
+// has no intrinsic for most of these (ldmatrix, mma.sync with bf16, cp.async with a cache hint), and a
+// named function per instruction keeps the kernels readable.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+// ---------------------------------------------------------------------------------------------------
+// Addresses
+// ---------------------------------------------------------------------------------------------------
+
+// A generic pointer into shared memory as the 32-bit .shared address the instructions below take.
+// PTX ISA: "Data Movement and Conversion Instructions: cvta".
+__device__ __forceinline__ uint32_t smem_u32(const void* smem_ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Ampere-era tensor-core path: ldmatrix -> mma.sync (sm_80+, also fast on sm_90)
+// ---------------------------------------------------------------------------------------------------
+
+// ldmatrix: the warp loads 8x8 bf16 matrices from shared memory straight into mma fragment layout.
+// Lanes 0-7 give the 8 row addresses of matrix 0, lanes 8-15 those of matrix 1, and so on (16 bytes
+// per row). Lane l receives, of each matrix, row l/4, columns 2*(l%4) and 2*(l%4)+1, in one register.
+// PTX ISA: "Warp-level matrix load instruction: ldmatrix".
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(smem_row)));
+}
+// .trans: lane l receives column l/4, rows 2*(l%4) and 2*(l%4)+1 -- the transposed fragment, which is
+// how V (stored [key, dim]) becomes the k-major B operand of P.V.
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(smem_row)));
+}
+
+// D = A.B + D for one 16x8x16 tile: A 16x16 bf16 (row-major, 4 regs), B 16x8 bf16 ("col": k-major,
+// 2 regs), D 16x8 fp32 (4 regs). With g = lane/4, t = lane%4, the fragments are
+//   A: a[0] = (row g,   cols 2t..2t+1)   a[1] = (row g+8, cols 2t..2t+1)
+//      a[2] = (row g,   cols 2t+8..+9)   a[3] = (row g+8, cols 2t+8..+9)
+//   B: b[0] = (rows 2t..2t+1, col g)     b[1] = (rows 2t+8..+9, col g)
+//   D: d[0..1] = (row g, cols 2t..2t+1)  d[2..3] = (row g+8, cols 2t..2t+1)
+// PTX ISA: "Warp-level matrix instructions: mma" (mma.m16n8k16, "Matrix Fragments for mma.m16n8k16").
+__device__ __forceinline__ void mma_m16n8k16_bf16_f32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two fp32 -> one register of two bf16 (lo in the low half), round to nearest even.
+// PTX ISA: "Data Movement and Conversion Instructions: cvt" (cvt.rn.bf16x2.f32).
+__device__ __forceinline__ uint32_t cvt_rn_bf16x2_f32(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Asynchronous global -> shared copies (sm_80+)
+// ---------------------------------------------------------------------------------------------------
+
+// cp.async: copy 16 bytes global -> shared without passing through registers. .cg caches in L2 only
+// (the tile is reused from shared memory, not from L1). Completion is tracked in commit groups.
+// PTX ISA: "Data Movement and Conversion Instructions: cp.async".
+__device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* gmem_src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");
+}
+// Close the group of cp.async issued since the last commit. PTX ISA: "cp.async.commit_group".
+__device__ __forceinline__ void cp_async_commit_group() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Wait until at most N of this thread's groups are still in flight. PTX ISA: "cp.async.wait_group".
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Special functions
+// ---------------------------------------------------------------------------------------------------
+
+// 2^x on the MUFU unit, one instruction (subnormal results flush to zero). expf() is this plus a
+// multiply by log2(e) and range handling. PTX ISA: "Floating Point Instructions: ex2".
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}

@@ -1,0 +1,20 @@
+// flashladder/common/swizzle.cuh -- XOR-swizzled shared-memory layouts.
+#pragma once
+
+// A shared-memory tile of [rows, ROW_ELEMS] bf16 with ROW_ELEMS = 128: each row is 256 bytes, sixteen
+// 16-byte chunks. ldmatrix reads one 16-byte chunk from each of 8 consecutive rows at the same column.
+// Unswizzled, those 8 chunks sit 256 bytes apart: 256 is a multiple of the 128 bytes that the 32 banks
+// x 4 bytes span, so all 8 land in the same 4 banks -- an 8-way bank conflict, 8 wavefronts instead of 1.
+//
+// The fix: store chunk c of row r at chunk position c ^ (r % 8). The 8 rows an ldmatrix touches have
+// 8 different r % 8, so their chunks land at 8 different positions within one 128-byte span: 32
+// distinct banks, one wavefront. The XOR is its own inverse and stays inside the row, so writers and
+// readers only have to agree on this one function. (Hopper's TMA and wgmma call this "128B swizzle".)
+//
+// col must be a multiple of 8 elements (16 bytes) plus an offset inside the chunk (col % 8).
+template <int ROW_ELEMS>
+__device__ __forceinline__ int swizzle_128b(int row, int col) {
+    static_assert(ROW_ELEMS % 64 == 0, "rows must span whole 128-byte groups of 8 chunks");
+    const int chunk = col / 8;
+    return row * ROW_ELEMS + ((chunk ^ (row % 8)) * 8) + col % 8;
+}
