@@ -21,6 +21,7 @@ import torch
 HEAD_DIM = 128
 ABI_VERSION = 1      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
 MAX_GRID_YZ = 65535  # heads and batch are the grid's y and z dimensions
+MAX_ROW_STRIDE = 2**24  # in-tile offsets (row < 128) * row stride stay below 2^31
 
 
 class FwdParams(ctypes.Structure):
@@ -82,6 +83,9 @@ def check_inputs(step: str, seqlen_multiple: int, q, k, v, o=None, lse=None) -> 
     if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ or seqlen_q * heads * batch >= 2**31:
         raise ValueError(f"{where}: shape {tuple(q.shape)} is too large (batch, heads <= {MAX_GRID_YZ}; batch*heads*seqlen < 2^31)")
     for name, t in named.items():
+        if t.stride(2) >= MAX_ROW_STRIDE:
+            raise ValueError(f"{where}: {name} has row stride {t.stride(2)}; the kernels address inside a tile with "
+                             f"32-bit offsets and need it below {MAX_ROW_STRIDE}; call .contiguous() first")
         if t.stride(-1) != 1 or any(s % 8 != 0 for s in t.stride()[:3]):
             raise ValueError(f"{where}: {name} has strides {t.stride()}: the last dim must be contiguous (stride 1) "
                              "and the other strides multiples of 8 elements (16 bytes); call .contiguous() first")

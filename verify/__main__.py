@@ -96,12 +96,16 @@ def main(argv=None) -> int:
                     help="regenerate the README table (auto: only after a run of every step at every N)")
     ap.add_argument("--report", metavar="RESULTS_JSON",
                     help="no GPU work: regenerate the README table and results/latest.png from a results file")
+    ap.add_argument("--update-steps-table", action="store_true",
+                    help="no GPU work: regenerate the README's list of steps from steps/*/kernel.cu")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel nvcc builds")
     args = ap.parse_args(argv)
 
     from verify import bench, report
     if args.report:
         return regenerate(Path(args.report))
+    if args.update_steps_table:
+        return 0 if report.update_readme(ROOT / "README.md", None, None) else 1
     steps = steps_mod.select(args.steps)
     seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else bench.SEQLENS_OF_RECORD
     out_env = Path(os.environ["OUT"]) if os.environ.get("OUT") else None

@@ -47,8 +47,11 @@ def build(steps: list[str], jobs: int = 8, log=print) -> dict[str, dict]:
         return dict(pool.map(one, steps))
 
 
-def ptxas(step: str) -> dict:
-    return build_step.parse_ptxas((DEV / "flashladder" / step / "_ptxas.txt").read_text())
+def ptxas_of(name: str) -> dict:
+    return build_step.parse_ptxas((DEV / "flashladder" / name / "_ptxas.txt").read_text())
+
+
+ptxas = ptxas_of
 
 
 def load(step: str):

@@ -1,4 +1,4 @@
-// flashladder step01 -- the algorithm, plainly.
+// flashladder step01 -- the algorithm, plainly: tiles in shared memory, online softmax in fp32, scalar FMAs.
 //
 // The ladder (see README.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 TMA -> 08/09 wgmma -> 10 warp specialization ->
@@ -59,7 +59,10 @@ static_assert(NUM_THREADS % BLOCK_M == 0 && THREADS_PER_ROW == 4, "the quad shuf
 template <int ROWS>
 __device__ void load_tile(__nv_bfloat16* dst_smem, const __nv_bfloat16* src_gmem, int64_t row_stride) {
     constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(__nv_bfloat16) / 16;  // 16 x 16 B per row
-    for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += NUM_THREADS) {
+    static_assert(ROWS * CHUNKS_PER_ROW % NUM_THREADS == 0, "every thread copies the same number of chunks");
+#pragma unroll  // a fixed trip count: fully unrolled, no loop bookkeeping
+    for (int i = 0; i < ROWS * CHUNKS_PER_ROW / NUM_THREADS; ++i) {
+        const int c = threadIdx.x + i * NUM_THREADS;
         const int row = c / CHUNKS_PER_ROW, chunk = c % CHUNKS_PER_ROW;
         const uint4 data = *reinterpret_cast<const uint4*>(src_gmem + row * row_stride + chunk * 8);
         *reinterpret_cast<uint4*>(dst_smem + row * HEAD_DIM + chunk * 8) = data;

@@ -40,7 +40,10 @@ static_assert(ROWS_PER_WARP == 16, "each warp owns exactly one 16-row mma block"
 template <int ROWS>
 __device__ void load_tile_async(__nv_bfloat16* dst_smem, const __nv_bfloat16* src_gmem, int64_t row_stride) {
     constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(__nv_bfloat16) / 16;  // 16 x 16 B per row
-    for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += NUM_THREADS) {
+    static_assert(ROWS * CHUNKS_PER_ROW % NUM_THREADS == 0, "every thread copies the same number of chunks");
+#pragma unroll  // a fixed trip count: fully unrolled, no loop bookkeeping
+    for (int i = 0; i < ROWS * CHUNKS_PER_ROW / NUM_THREADS; ++i) {
+        const int c = threadIdx.x + i * NUM_THREADS;
         const int row = c / CHUNKS_PER_ROW, chunk = c % CHUNKS_PER_ROW;
         cp_async_cg_16(dst_smem + swizzle_128b<HEAD_DIM>(row, chunk * 8), src_gmem + row * row_stride + chunk * 8);
     }

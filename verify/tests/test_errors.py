@@ -64,6 +64,8 @@ def test_unsupported_strides(mod):
     q, k, v = qkv()
     q_t = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim not contiguous
     expect(mod, "strides", q_t, k, v)
+    huge = torch.empty_strided(q.shape, (0, 0, 2**24, 1), dtype=torch.bfloat16, device="meta")  # no memory behind it
+    expect(mod, "row stride 16777216", huge, k, v)
 
 
 def test_bad_scale(mod):

@@ -1,0 +1,65 @@
+"""Try ideas before they become steps: build kernel variants, check them, time them side by side.
+
+    python -m verify.variants build/exp/v1 build/exp/v2 --steps 6 --seqlens 4096,16384
+
+Each variant folder holds a kernel.cu (e.g. a copy of steps/step06/kernel.cu with one change); its
+folder name becomes its name. Steps given with --steps run beside them as baselines. One correctness
+check per variant (the same rules as the tests), then the median time at each N, and a table last.
+"""
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from verify import bench, steps as steps_mod
+from verify.checks import make_inputs, measure_errors
+
+
+def build_variant(folder: Path):
+    name = folder.name.replace("-", "_")
+    pkg = folder / "pkg"
+    if not (pkg / "__init__.py").exists():
+        pkg.mkdir(exist_ok=True)
+        shutil.copyfile(steps_mod.ROOT / "steps" / "step01" / "pkg" / "__init__.py", pkg / "__init__.py")
+    steps_mod.build_step.compile_step(folder, steps_mod.DEV / "flashladder" / name)
+    return name, steps_mod.ptxas_of(name)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("folders", nargs="*", type=Path)
+    ap.add_argument("--steps", help="baseline steps, e.g. 5-6")
+    ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--budget", type=float, default=1.0)
+    args = ap.parse_args()
+    names = []
+    if args.steps:
+        chosen = steps_mod.select(args.steps)
+        steps_mod.build(chosen)
+        names += chosen
+    for folder in args.folders:
+        name, report = build_variant(folder)
+        print(f"built {name}: {report}", flush=True)
+        names.append(name)
+    impls, errors = {}, {}
+    for name in names:
+        mod = steps_mod.load(name)
+        q, k, v = make_inputs(2, 4, 1024, 1024)
+        err = measure_errors(mod, q, k, v)
+        errors[name] = "ok" if not err.failures() else "; ".join(err.failures())
+        print(f"{name}: {errors[name]}  (O rel {err.o_rel_frob:.2e}, LSE {err.lse_max_abs:.2e})", flush=True)
+        if errors[name] == "ok":
+            impls[name] = mod.attention
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    res = bench.run(impls, seqlens, budget_s=args.budget)["timings"]
+    print(f"\n{'':<22}" + "".join(f"{f'N={n}':>12}" for n in seqlens))
+    for name in [*names, *bench.SDPA_BACKENDS]:
+        cells = [res.get(name, {}).get(n) for n in seqlens]
+        print(f"{name:<22}" + "".join(f"{c['tflops']:12.1f}" if c else f"{'-':>12}" for c in cells)
+              + ("" if errors.get(name, "ok") == "ok" else "  CHECK FAILED"))
+    print(f"GPU: {torch.cuda.get_device_name(0)}")
+
+
+if __name__ == "__main__":
+    main()
