@@ -35,7 +35,11 @@
 //
 // PREDICTION: FlashAttention-2's level, ~1.0x SDPA's FLASH backend (~350 TFLOP/s): the variants tried
 //   on the way (NOTES.md) put 16 rows per warp near 0.9x and 32 rows per warp at ~1.03-1.05x.
-// MEASURED: see the README's table (results/h200/).
+// MEASURED (results/h200/2026-11-29T10-34-41Z.json, H200, N = 4K / 8K / 16K): 245.1 / 249.2 / 251.2 -> 358.8 / 363.5 / 368.5 TFLOP/s
+//   (1.46x step05), 1.02 / 1.02 / 1.03x SDPA's FLASH backend (FlashAttention-2) in the same run.
+//   On the way (results/h200/exploration/variants*.log): the diet with 16 rows per warp gave ~310
+//   at 16K; 16 rows x 4 warps x 2 blocks/SM ~324; 32 rows per warp, fully unrolled, 369-372 but with
+//   76 bytes of spills; rolled S loop + 32-bit tile offsets: no spills, 359-360 (this step).
 #include "flashladder.cuh"
 #include "ptx.cuh"
 #include "swizzle.cuh"
