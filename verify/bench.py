@@ -101,6 +101,5 @@ def run(impls: dict, seqlens: list[int], budget_s: float = 1.0, log=print) -> di
             results[name][n] = t
             log(f"  N={n:<6} batch={batch:<3} {name:<16} {t['median_ms']:9.3f} ms  {t['tflops']:7.1f} TFLOP/s  ({t['reps']} reps)")
             time.sleep(0.1)  # a short pause between kernels
-        del q, k, v
     results["cublas_gemm"] = {"8192": {"tflops": gemm_tflops(flush)}}
     return {"timings": results, "unavailable": errors}

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from verify import bench, steps as steps_mod
+from verify import bench
+from verify import steps as steps_mod
 from verify.checks import make_inputs, measure_errors
 
 

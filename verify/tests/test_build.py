@@ -23,3 +23,24 @@ def test_steps_are_found_by_glob():
     names = steps_mod.all_steps()
     assert names and names == sorted(names) and names[0] == "step01"
     assert all(len(n) == 6 and n[4:].isdigit() for n in names)
+
+
+def test_driver_entry_points_need_no_libcuda(tmp_path):
+    """common/driver_api.cuh (for the TMA steps) builds without -lcuda and answers, GPU or not."""
+    import subprocess
+
+    from verify.tests.conftest import has_cuda_gpu
+    src = tmp_path / "probe.cu"
+    src.write_text('#include "driver_api.cuh"\n'
+                   'extern "C" int probe() { cudaError_t e; return driver_cuTensorMapEncodeTiled(&e) ? 0 : int(e); }\n')
+    so = tmp_path / "probe.so"
+    nvcc = steps_mod.build_step.find_nvcc()
+    subprocess.run([nvcc, "-std=c++17", *steps_mod.build_step.ARCH_FLAGS, f"-I{steps_mod.build_step.COMMON}", "-shared",
+                    "-Xcompiler", "-fPIC", str(src), "-o", str(so)], check=True, capture_output=True)
+    deps = subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
+    assert "libcuda.so" not in deps, deps
+    code = ctypes.CDLL(str(so)).probe()
+    if has_cuda_gpu():
+        assert code == 0, f"cuTensorMapEncodeTiled not found (cudaError {code})"
+    else:
+        assert code != 0  # no driver here: an error code, not a crash

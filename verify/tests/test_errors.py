@@ -9,7 +9,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from verify import steps as steps_mod  # noqa: E402
 from verify.tests.conftest import has_cuda_gpu, needs_gpu  # noqa: E402
 
 DEV = "cuda" if has_cuda_gpu() else "cpu"  # metadata errors come before the device check

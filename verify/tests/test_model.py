@@ -9,7 +9,8 @@ shows the same check rejects a wrong model.
 """
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from verify.model import LN2, online_softmax_attention
 from verify.reference import attention_reference
