@@ -7,7 +7,8 @@ import nox
 
 nox.options.sessions = ["tests"]
 DEPS = ["numpy", "scipy", "matplotlib", "pytest", "hypothesis"]
-TORCH = "torch==2.13.0"  # CI pins the CPU build; on a GPU machine keep the CUDA torch it has (--no-venv)
+TORCH = "torch==2.13.0"  # CI's pin: its machine has this (CPU) wheel on disk. On a GPU machine keep the CUDA
+#                          torch it has (nox --no-venv); elsewhere PyPI serves the large CUDA wheel for this pin.
 
 
 def install(session, *extra):

@@ -80,8 +80,9 @@ def check_inputs(step: str, seqlen_multiple: int, q, k, v, o=None, lse=None) -> 
     for name, n in (("q", seqlen_q), ("k/v", seqlen_k)):
         if n % seqlen_multiple != 0:
             raise ValueError(f"{where}: {name} seqlen {n} is not supported: this step needs a multiple of {seqlen_multiple}")
-    if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ or seqlen_q * heads * batch >= 2**31:
-        raise ValueError(f"{where}: shape {tuple(q.shape)} is too large (batch, heads <= {MAX_GRID_YZ}; batch*heads*seqlen < 2^31)")
+    if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ or seqlen_q * heads * batch >= 2**31 or seqlen_k >= 2**31:
+        raise ValueError(f"{where}: q {tuple(q.shape)} / k {tuple(k.shape)} too large: batch, heads <= {MAX_GRID_YZ}, "
+                         "batch*heads*seqlen_q < 2^31, seqlen_k < 2^31")
     for name, t in named.items():
         if t.stride(2) >= MAX_ROW_STRIDE:
             raise ValueError(f"{where}: {name} has row stride {t.stride(2)}; the kernels address inside a tile with "
@@ -106,6 +107,21 @@ def check_inputs(step: str, seqlen_multiple: int, q, k, v, o=None, lse=None) -> 
             raise ValueError(f"{where}: all tensors must be on one device: q is on {q.device}, {name} on {t.device}")
 
 
+def check_scale(step: str, scale) -> float:
+    """None -> 1/sqrt(128). Positive: the kernels take the running max on the raw scores, max(s*scale) = max(s)*scale."""
+    if scale is None:
+        return 1.0 / math.sqrt(HEAD_DIM)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"flashladder.{step}: scale must be a finite positive float, got {scale!r}")
+    return float(scale)
+
+
+def _span(t: torch.Tensor) -> tuple:
+    """[first, last) bytes of memory a strided tensor can touch."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + last * t.element_size()
+
+
 @functools.lru_cache(maxsize=None)
 def _device_arch(index: int) -> tuple:
     props = torch.cuda.get_device_properties(index)
@@ -119,6 +135,12 @@ def check_launch(step: str, tensors: dict) -> None:
     if (major, minor) != (9, 0):
         raise RuntimeError(f"flashladder.{step}: needs an sm_90 GPU (H100/H200; the kernels are built for sm_90a), "
                            f"but {q.device} is {name} (sm_{major}{minor})")
+    for out in ("o", "lse"):
+        lo, hi = _span(tensors[out])
+        for name in ("q", "k", "v", *(["o"] if out == "lse" else [])):
+            a, b = _span(tensors[name])
+            if lo < b and a < hi:
+                raise ValueError(f"flashladder.{step}: {out} overlaps {name} in memory; outputs need buffers of their own")
     for tname, t in tensors.items():
         if t.data_ptr() % 16 != 0:
             raise ValueError(f"flashladder.{step}: {tname}'s data pointer is not 16-byte aligned "
@@ -148,6 +170,7 @@ def bind_step(module_name: str):
 
     @torch.library.custom_op(f"flashladder::{step}", mutates_args=(), device_types="cuda")
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = check_scale(step, scale)  # the op can be called directly (torch.ops.flashladder.<step>)
         check_inputs(step, seqlen_multiple, q, k, v)
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -160,6 +183,7 @@ def bind_step(module_name: str):
 
     @torch.library.custom_op(f"flashladder::{step}_out", mutates_args=("o", "lse"), device_types="cuda")
     def fwd_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+        scale = check_scale(step, scale)
         check_inputs(step, seqlen_multiple, q, k, v, o, lse)
         launch(q, k, v, o, lse, scale)
 
@@ -167,13 +191,6 @@ def bind_step(module_name: str):
     def _(q, k, v, o, lse, scale):
         return None
 
-    def default_scale(scale: Optional[float]) -> float:
-        if scale is None:
-            return 1.0 / math.sqrt(HEAD_DIM)
-        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            # positive: the kernels take the running max on the raw scores (max(s * scale) = max(s) * scale)
-            raise ValueError(f"flashladder.{step}: scale must be a finite positive float, got {scale!r}")
-        return float(scale)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None):
         """O = softmax(q k^T * scale) v and LSE = logsumexp(q k^T * scale) (natural log).
@@ -182,13 +199,13 @@ def bind_step(module_name: str):
         Returns (o: bf16 [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]).
         scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
         """
-        scale = default_scale(scale)
+        scale = check_scale(step, scale)
         check_inputs(step, seqlen_multiple, q, k, v)
         return fwd(q, k, v, scale)
 
     def attention_out(q, k, v, o, lse, scale: Optional[float] = None) -> None:
         """attention(), writing into caller-provided contiguous o (bf16) and lse (float32)."""
-        scale = default_scale(scale)
+        scale = check_scale(step, scale)
         check_inputs(step, seqlen_multiple, q, k, v, o, lse)
         fwd_out(q, k, v, o, lse, scale)
 

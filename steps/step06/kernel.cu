@@ -6,9 +6,10 @@
 //
 // WHAT CHANGED FROM STEP05
 //   An instruction diet: the same math with fewer instructions per mma, FlashAttention-2's recipe.
-//   Step05 issues ~550 instructions per warp per tile for 128 mma, and ncu shows why that hurts: with
-//   8 warps on an SM (2 per scheduler) only 0.57 warps are ready per cycle and the tensor pipe is busy
-//   34% of the time (NOTES.md). Every instruction that is not an mma stands in the mma's way.
+//   A first draft of this step kept step05's 8-warp block; ncu on it (results/h200/exploration/
+//   ncu_step06_8warps.txt) counted ~866 instructions per warp per tile for 128 mma, 2 warps per
+//   scheduler of which only 0.57 were ready per cycle, and the tensor pipe busy 34% of the time.
+//   Every instruction that is not an mma stands in the mma's way.
 //   * Two row blocks per warp. A warp now owns 32 query rows (4 warps x 32 = the same 128-row block),
 //     so every K and V fragment it loads from shared memory feeds TWO mma instead of one. The
 //     ldmatrix traffic per mma falls by ~40%, and each warp has twice the independent mma in flight.
@@ -35,7 +36,8 @@
 //
 // PREDICTION: FlashAttention-2's level, ~1.0x SDPA's FLASH backend (~350 TFLOP/s): the variants tried
 //   on the way (NOTES.md) put 16 rows per warp near 0.9x and 32 rows per warp at ~1.03-1.05x.
-// MEASURED (results/h200/2026-11-29T10-34-41Z.json, H200, N = 4K / 8K / 16K): 245.1 / 249.2 / 251.2 -> 358.8 / 363.5 / 368.5 TFLOP/s
+// MEASURED (results/h200/2026-11-29T10-34-41Z.json, H200, N = 4K / 8K / 16K):
+//   245.1 / 249.2 / 251.2 -> 358.8 / 363.5 / 368.5 TFLOP/s
 //   (1.46x step05), 1.02 / 1.02 / 1.03x SDPA's FLASH backend (FlashAttention-2) in the same run.
 //   On the way (results/h200/exploration/variants*.log): the diet with 16 rows per warp gave ~310
 //   at 16K; 16 rows x 4 warps x 2 blocks/SM ~324; 32 rows per warp, fully unrolled, 369-372 but with
@@ -87,6 +89,8 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdParams p) {
+    // 1024-byte aligned: the XOR addressing below needs every tile base aligned to at least 256 bytes (the
+    // XOR must only touch bits 4-7 of an address). Static __shared__ variables would shift this base.
     extern __shared__ __align__(1024) unsigned char smem[];
     __nv_bfloat16* Q_smem = reinterpret_cast<__nv_bfloat16*>(smem);  // [BLOCK_M, HEAD_DIM]
     __nv_bfloat16* K_smem = Q_smem + BLOCK_M * HEAD_DIM;              // [STAGES, BLOCK_N, HEAD_DIM]

@@ -8,7 +8,8 @@ def test_compiles_without_spills(step, built):
     report = built[step]
     assert report, f"{step}: no kernel found in the ptxas report"
     for kernel, res in report.items():
-        assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, f"{step} {kernel} spills: {res}"
+        assert "spill_stores" in res and "spill_loads" in res, f"{step} {kernel}: ptxas reported no spill counts: {res}"
+        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, f"{step} {kernel} spills: {res}"
         assert "registers" in res, f"{step} {kernel}: ptxas reported no register count: {res}"
 
 

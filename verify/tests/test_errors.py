@@ -72,6 +72,12 @@ def test_bad_scale(mod):
     expect(mod, "scale must be a finite positive float", *qkv(), scale=-0.1)
 
 
+def test_too_long(mod):
+    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 2, 1, 128, dtype=torch.bfloat16, device="meta").expand(1, 2, 2**31, 128)  # no memory behind it
+    expect(mod, "too large", q, k, k)
+
+
 def test_cpu_tensors(mod):
     expect(mod, "is on cpu; flashladder runs on a CUDA device", *qkv(device="cpu"))
 
@@ -106,3 +112,20 @@ def test_launcher_reports_launch_errors(mod):
     err = lib.flashladder_fwd(ctypes.byref(params), None)
     assert err != 0, "an empty grid must be reported as a launch error"
     assert "invalid" in lib.flashladder_error_string(err).decode()
+
+
+@needs_gpu
+def test_output_overlapping_an_input(mod):
+    q, k, v = qkv(device="cuda")
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
+    with pytest.raises(ValueError, match="o overlaps q"):
+        mod.attention_out(q, k, v, q, lse)
+
+
+@needs_gpu
+def test_op_called_directly_checks_scale(mod):
+    """torch.ops.flashladder.<step> skips the Python wrapper; the op itself still refuses a bad scale."""
+    q, k, v = qkv(device="cuda")
+    op = getattr(torch.ops.flashladder, mod.info["step"])
+    with pytest.raises(ValueError, match="scale must be a finite positive float"):
+        op(q, k, v, -1.0)

@@ -3,7 +3,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from verify.checks import make_inputs, measure_errors, run_poisoned  # noqa: E402
+from verify.checks import fresh_seed, make_inputs, measure_errors, run_poisoned  # noqa: E402
 from verify.tests.conftest import needs_gpu  # noqa: E402
 
 pytestmark = needs_gpu
@@ -15,9 +15,10 @@ SHAPES = [(1, 1, 256, 256), (2, 3, 256, 512), (3, 2, 768, 256), (4, 8, 1024, 102
 @pytest.mark.parametrize("factor", [1.0, 10.0], ids=["x1", "x10"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_float64_reference(mod, shape, factor):
-    q, k, v = make_inputs(*shape, factor=factor)
+    seed = fresh_seed()
+    q, k, v = make_inputs(*shape, factor=factor, seed=seed)
     err = measure_errors(mod, q, k, v)
-    assert not err.failures(), f"{mod.__name__} {shape} x{factor}: {err.failures()} ({err})"
+    assert not err.failures(), f"{mod.__name__} {shape} x{factor}: {err.failures()} ({err}); replay: FLASHLADDER_SEED={seed}"
 
 
 def test_custom_scale(mod):
@@ -30,6 +31,24 @@ def test_strided_inputs(mod):
     """q, k, v as views of a [batch, seqlen, heads, 128] tensor (the layout most models keep)."""
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in make_inputs(2, 4, 512, 512))
     assert not q.is_contiguous()
+    err = measure_errors(mod, q, k, v)
+    assert not err.failures(), err.failures()
+
+
+def test_k_and_v_with_different_strides(mod):
+    """k contiguous, v a view of a [batch, seqlen, heads, 128] tensor: a k/v stride mix-up would show."""
+    q, k, v = make_inputs(2, 4, 256, 512)
+    v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    assert k.stride() != v.stride()
+    err = measure_errors(mod, q, k, v)
+    assert not err.failures(), err.failures()
+
+
+def test_kv_broadcast_over_heads(mod):
+    """k, v expanded over the heads (stride 0), as multi-query attention keeps them."""
+    q, k, v = make_inputs(2, 4, 256, 256)
+    k, v = k[:, :1].expand(-1, 4, -1, -1), v[:, :1].expand(-1, 4, -1, -1)
+    assert k.stride(1) == 0
     err = measure_errors(mod, q, k, v)
     assert not err.failures(), err.failures()
 
