@@ -41,7 +41,7 @@ def build(steps: list[str], jobs: int = 8, log=print) -> dict[str, dict]:
     def one(step):
         build_step.compile_step(dirs[step], DEV / "flashladder" / step)
         log(f"  built {step}")
-        return step, ptxas(step)
+        return step, ptxas_of(step)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return dict(pool.map(one, steps))
@@ -49,9 +49,6 @@ def build(steps: list[str], jobs: int = 8, log=print) -> dict[str, dict]:
 
 def ptxas_of(name: str) -> dict:
     return build_step.parse_ptxas((DEV / "flashladder" / name / "_ptxas.txt").read_text())
-
-
-ptxas = ptxas_of
 
 
 def load(step: str):

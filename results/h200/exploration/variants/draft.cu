@@ -30,17 +30,16 @@ namespace {
 
 constexpr int BLOCK_M = 128;                          // query rows per block
 constexpr int BLOCK_N = 64;                           // keys per K/V tile
-constexpr int NUM_WARPS = 4;
+constexpr int NUM_WARPS = 8;
 constexpr int NUM_THREADS = NUM_WARPS * 32;
-constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;    // 32: two mma row blocks per warp
-constexpr int M_BLOCKS = ROWS_PER_WARP / 16;          // every K/V fragment feeds M_BLOCKS mma
+constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;    // 16: one mma row block per warp
 constexpr int S_BLOCKS = BLOCK_N / 8;                 // S = Q K^T: 8 accumulators of 16x8 per warp
 constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 accumulators of 16x8 per warp
 constexpr int QK_STEPS = HEAD_DIM / 16;               // k-steps of S = Q K^T over the head dim
 constexpr int PV_STEPS = BLOCK_N / 16;                // k-steps of O += P V over the keys
 constexpr int STAGES = 2;                             // K/V buffers: compute one while the other fills
 constexpr int SMEM_BYTES = (BLOCK_M + 2 * STAGES * BLOCK_N) * HEAD_DIM * sizeof(__nv_bfloat16);  // Q, K, V
-static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole 16-row mma blocks");
+static_assert(ROWS_PER_WARP == 16, "each warp owns exactly one 16-row mma block");
 
 // Start copying a [ROWS, HEAD_DIM] bf16 tile (rows `row_stride` elements apart in global memory) into a
 // swizzled [ROWS, HEAD_DIM] shared-memory tile, 16 bytes per cp.async. The copies complete asynchronously:
@@ -90,18 +89,16 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdPar
     cp_async_commit_group();
     cp_async_wait_group<0>();  // this thread's copies have landed...
     __syncthreads();           // ...and so have everyone else's: Q_smem and stage 0 are complete
+    uint32_t Q_frag[QK_STEPS][4];  // [16 rows, 16 dims] per k-step
+    for (int kk = 0; kk < QK_STEPS; ++kk)  // lanes 0-15: rows 0-15 at dims kk*16; lanes 16-31: the same at +8
+        ldmatrix_x4(Q_frag[kk], Q_smem + swizzle_128b<HEAD_DIM>(warp * ROWS_PER_WARP + lane % 16, kk * 16 + (lane / 16) * 8));
 
     const float scale_log2 = p.scale * 1.4426950408889634f;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
-    float m_i[M_BLOCKS][2], l_i[M_BLOCKS][2];
-    float O_acc[M_BLOCKS][O_BLOCKS][4];     // [32 rows, 128 dims] as 2 x 16 accumulators of 16x8
-#pragma unroll
-    for (int mb = 0; mb < M_BLOCKS; ++mb) {
-        m_i[mb][0] = m_i[mb][1] = -INFINITY;
-        l_i[mb][0] = l_i[mb][1] = 0.f;
-#pragma unroll
-        for (int db = 0; db < O_BLOCKS; ++db)
-            for (int i = 0; i < 4; ++i) O_acc[mb][db][i] = 0.f;
-    }
+    float m_i[2] = {-INFINITY, -INFINITY};  // running max of rows quad_row, quad_row+8 (RAW scores)
+    float l_i[2] = {0.f, 0.f};              // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
+    float O_acc[O_BLOCKS][4];               // [16 rows, 128 dims] as 16 accumulators of 16x8
+    for (int db = 0; db < O_BLOCKS; ++db)
+        for (int i = 0; i < 4; ++i) O_acc[db][i] = 0.f;
 
     for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile) {
         // Step 2: start the copies of the NEXT tile into the other stage; they land while this one computes.
@@ -117,98 +114,74 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdPar
         const __nv_bfloat16* V_tile = V_smem + (kv_tile % STAGES) * BLOCK_N * HEAD_DIM;
 
         // Step 3: S = Q K^T on the tensor cores: [16 rows, 64 keys] per warp, in fp32 accumulators.
-        float S_acc[M_BLOCKS][S_BLOCKS][4];
-#pragma unroll
-        for (int mb = 0; mb < M_BLOCKS; ++mb)
-#pragma unroll
-            for (int nb = 0; nb < S_BLOCKS; ++nb)
-                for (int i = 0; i < 4; ++i) S_acc[mb][nb][i] = 0.f;
-#pragma unroll
+        float S_acc[S_BLOCKS][4];
+        for (int nb = 0; nb < S_BLOCKS; ++nb)
+            for (int i = 0; i < 4; ++i) S_acc[nb][i] = 0.f;
         for (int kk = 0; kk < QK_STEPS; ++kk) {
-            uint32_t Q_frag[M_BLOCKS][4];  // re-read from shared memory every tile: no registers left to keep it
-#pragma unroll
-            for (int mb = 0; mb < M_BLOCKS; ++mb)
-                ldmatrix_x4(Q_frag[mb], Q_smem + swizzle_128b<HEAD_DIM>(warp * ROWS_PER_WARP + mb * 16 + lane % 16, kk * 16 + (lane / 16) * 8));
-#pragma unroll
             for (int nb = 0; nb < S_BLOCKS; nb += 2) {
+                // keys nb*8..+15, dims kk*16..+15: lanes 0-7 give keys +0..7 at dims +0, lanes 8-15 the same
+                // keys at dims +8, lanes 16-31 keys +8..15 likewise: the B fragments of blocks nb and nb+1
                 uint32_t K_frag[4];
                 ldmatrix_x4(K_frag, K_tile + swizzle_128b<HEAD_DIM>(nb * 8 + (lane / 16) * 8 + lane % 8, kk * 16 + ((lane / 8) % 2) * 8));
-#pragma unroll
-                for (int mb = 0; mb < M_BLOCKS; ++mb) {
-                    mma_m16n8k16_bf16_f32(S_acc[mb][nb], Q_frag[mb], {K_frag[0], K_frag[1]});
-                    mma_m16n8k16_bf16_f32(S_acc[mb][nb + 1], Q_frag[mb], {K_frag[2], K_frag[3]});
-                }
+                mma_m16n8k16_bf16_f32(S_acc[nb], Q_frag[kk], {K_frag[0], K_frag[1]});
+                mma_m16n8k16_bf16_f32(S_acc[nb + 1], Q_frag[kk], {K_frag[2], K_frag[3]});
             }
         }
 
-        // Step 4: the online-softmax update for this lane's rows.
-#pragma unroll
-        for (int mb = 0; mb < M_BLOCKS; ++mb)
-#pragma unroll
+        // Step 4: the online-softmax update for this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8).
+        // S_acc[nb][2r], S_acc[nb][2r+1] are row r's raw scores; they become the probabilities P in place.
         for (int r = 0; r < 2; ++r) {
             float tile_max = -INFINITY;
-#pragma unroll
             for (int nb = 0; nb < S_BLOCKS; ++nb)
-                tile_max = fmaxf(tile_max, fmaxf(S_acc[mb][nb][2 * r], S_acc[mb][nb][2 * r + 1]));
-            const float m_new = fmaxf(m_i[mb][r], quad_max(tile_max));
-            const float alpha = ex2_approx_ftz((m_i[mb][r] - m_new) * scale_log2);
+                tile_max = fmaxf(tile_max, fmaxf(S_acc[nb][2 * r], S_acc[nb][2 * r + 1]));
+            const float m_new = fmaxf(m_i[r], quad_max(tile_max));
+            const float alpha = ex2_approx_ftz((m_i[r] - m_new) * scale_log2);  // 2^-inf = 0 on the first tile
             const float m_scaled = m_new * scale_log2;
             float row_sum = 0.f;
-#pragma unroll
-            for (int nb = 0; nb < S_BLOCKS; ++nb) {
-                S_acc[mb][nb][2 * r] = ex2_approx_ftz(fmaf(S_acc[mb][nb][2 * r], scale_log2, -m_scaled));
-                S_acc[mb][nb][2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[mb][nb][2 * r + 1], scale_log2, -m_scaled));
-                row_sum += S_acc[mb][nb][2 * r] + S_acc[mb][nb][2 * r + 1];
+            for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one MUFU.EX2 per element
+                S_acc[nb][2 * r] = ex2_approx_ftz(fmaf(S_acc[nb][2 * r], scale_log2, -m_scaled));
+                S_acc[nb][2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[nb][2 * r + 1], scale_log2, -m_scaled));
+                row_sum += S_acc[nb][2 * r] + S_acc[nb][2 * r + 1];
             }
-            l_i[mb][r] = alpha * l_i[mb][r] + row_sum;
-            m_i[mb][r] = m_new;
-#pragma unroll
+            l_i[r] = alpha * l_i[r] + row_sum;  // no shuffle: the quad's parts are added once, at the end
+            m_i[r] = m_new;
             for (int db = 0; db < O_BLOCKS; ++db) {
-                O_acc[mb][db][2 * r] *= alpha;
-                O_acc[mb][db][2 * r + 1] *= alpha;
+                O_acc[db][2 * r] *= alpha;
+                O_acc[db][2 * r + 1] *= alpha;
             }
         }
 
-        // Step 5: O += P V.
-#pragma unroll
+        // Step 5: O += P V. Two neighbouring 8-key accumulators of P form one 16x16 A fragment (bf16).
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            uint32_t P_frag[M_BLOCKS][4];
-#pragma unroll
-            for (int mb = 0; mb < M_BLOCKS; ++mb) {
-                P_frag[mb][0] = cvt_rn_bf16x2_f32(S_acc[mb][2 * kk][0], S_acc[mb][2 * kk][1]);
-                P_frag[mb][1] = cvt_rn_bf16x2_f32(S_acc[mb][2 * kk][2], S_acc[mb][2 * kk][3]);
-                P_frag[mb][2] = cvt_rn_bf16x2_f32(S_acc[mb][2 * kk + 1][0], S_acc[mb][2 * kk + 1][1]);
-                P_frag[mb][3] = cvt_rn_bf16x2_f32(S_acc[mb][2 * kk + 1][2], S_acc[mb][2 * kk + 1][3]);
-            }
-#pragma unroll
+            uint32_t P_frag[4];
+            P_frag[0] = cvt_rn_bf16x2_f32(S_acc[2 * kk][0], S_acc[2 * kk][1]);          // row g,   keys +2t
+            P_frag[1] = cvt_rn_bf16x2_f32(S_acc[2 * kk][2], S_acc[2 * kk][3]);          // row g+8, keys +2t
+            P_frag[2] = cvt_rn_bf16x2_f32(S_acc[2 * kk + 1][0], S_acc[2 * kk + 1][1]);  // row g,   keys +8+2t
+            P_frag[3] = cvt_rn_bf16x2_f32(S_acc[2 * kk + 1][2], S_acc[2 * kk + 1][3]);  // row g+8, keys +8+2t
             for (int db = 0; db < O_BLOCKS; db += 2) {
+                // keys kk*16..+15 (lanes 0-15: dims db*8.., lanes 16-31: dims db*8+8..), transposed to k-major:
+                // the B fragments of dim blocks db and db+1
                 uint32_t V_frag[4];
                 ldmatrix_x4_trans(V_frag, V_tile + swizzle_128b<HEAD_DIM>(kk * 16 + lane % 16, db * 8 + (lane / 16) * 8));
-#pragma unroll
-                for (int mb = 0; mb < M_BLOCKS; ++mb) {
-                    mma_m16n8k16_bf16_f32(O_acc[mb][db], P_frag[mb], {V_frag[0], V_frag[1]});
-                    mma_m16n8k16_bf16_f32(O_acc[mb][db + 1], P_frag[mb], {V_frag[2], V_frag[3]});
-                }
+                mma_m16n8k16_bf16_f32(O_acc[db], P_frag, {V_frag[0], V_frag[1]});
+                mma_m16n8k16_bf16_f32(O_acc[db + 1], P_frag, {V_frag[2], V_frag[3]});
             }
         }
         cp_async_wait_group<0>();  // this thread's copies of the next tile have landed...
         __syncthreads();  // ...and everyone's have; and every warp is done with this stage, refilled next iteration
     }
 
-    // Step 6: the final normalization, once per row, and the log-sum-exp.
-#pragma unroll
-    for (int mb = 0; mb < M_BLOCKS; ++mb)
+    // Step 6: the row sums' quad parts added up, the final normalization, once per row, and the log-sum-exp.
     for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(l_i[mb][r]);
-        const float inv_l = 1.f / l;
-        const int64_t q_row = int64_t(q_tile) * BLOCK_M + warp * ROWS_PER_WARP + mb * 16 + quad_row + 8 * r;
+        l_i[r] = quad_sum(l_i[r]);
+        const float inv_l = 1.f / l_i[r];
+        const int64_t q_row = int64_t(q_tile) * BLOCK_M + warp * ROWS_PER_WARP + quad_row + 8 * r;
         __nv_bfloat16* O_gmem = row_ptr(static_cast<__nv_bfloat16*>(p.o), p.o_stride, batch, head, q_row);
-#pragma unroll
         for (int db = 0; db < O_BLOCKS; ++db)
             *reinterpret_cast<__nv_bfloat162*>(O_gmem + db * 8 + 2 * quad_col) =
-                __floats2bfloat162_rn(O_acc[mb][db][2 * r] * inv_l, O_acc[mb][db][2 * r + 1] * inv_l);
+                __floats2bfloat162_rn(O_acc[db][2 * r] * inv_l, O_acc[db][2 * r + 1] * inv_l);
         if (quad_col == 0)
-            p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[mb][r] * p.scale + logf(l);
+            p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l_i[r]);
     }
 }
 
