@@ -44,7 +44,7 @@ def install_steps(session):
     for step in sorted(glob.glob("steps/step[0-9][0-9]")):
         session.install(step)
         name = step.rsplit("/", 1)[-1]
-        session.run("python", "-c", f"import flashladder.{name} as m; print(m.__name__, m.info['seqlen_multiple'])",
+        session.run("python", "-c", f"import flashladder.{name} as m; print(m.__name__, m.info['seqlen_multiple_q'], m.info['seqlen_multiple_k'])",
                     external=True)
 
 

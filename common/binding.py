@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 HEAD_DIM = 128
-ABI_VERSION = 1      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
+ABI_VERSION = 2      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
 MAX_GRID_YZ = 65535  # heads and batch are the grid's y and z dimensions
 MAX_ROW_STRIDE = 2**24  # in-tile offsets (row < 128) * row stride stay below 2^31
 
@@ -42,17 +42,22 @@ def _load_library(path: Path) -> ctypes.CDLL:
         raise ImportError(f"{path} is missing: build the step first (pip install steps/<step>, or python -m verify)")
     lib = ctypes.CDLL(str(path))
     lib.flashladder_abi_version.restype = ctypes.c_int
-    lib.flashladder_seqlen_multiple.restype = ctypes.c_int
+    lib.flashladder_params_size.restype = ctypes.c_int
+    lib.flashladder_seqlen_multiple_q.restype = ctypes.c_int
+    lib.flashladder_seqlen_multiple_k.restype = ctypes.c_int
     lib.flashladder_error_string.restype = ctypes.c_char_p
     lib.flashladder_error_string.argtypes = [ctypes.c_int]
     lib.flashladder_fwd.restype = ctypes.c_int
     lib.flashladder_fwd.argtypes = [ctypes.POINTER(FwdParams), ctypes.c_void_p]
     if lib.flashladder_abi_version() != ABI_VERSION:
         raise ImportError(f"{path} was built for ABI {lib.flashladder_abi_version()}, this binding speaks {ABI_VERSION}: rebuild it")
+    if lib.flashladder_params_size() != ctypes.sizeof(FwdParams):
+        raise ImportError(f"{path}: sizeof(FwdParams) is {lib.flashladder_params_size()} in the library but "
+                          f"{ctypes.sizeof(FwdParams)} in the binding's ctypes mirror: the two disagree, fix the mirror")
     return lib
 
 
-def check_inputs(step: str, seqlen_multiple: int, q, k, v, o=None, lse=None) -> None:
+def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None) -> None:
     """Everything about the tensors' metadata that the kernel relies on. Raises, naming the problem.
 
     Works on fake tensors too (torch.compile traces it); pointer alignment and the GPU's architecture
@@ -77,9 +82,9 @@ def check_inputs(step: str, seqlen_multiple: int, q, k, v, o=None, lse=None) -> 
         if t.numel() == 0:
             raise ValueError(f"{where}: {name} is empty (shape {tuple(t.shape)})")
     batch, heads, seqlen_q, seqlen_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    for name, n in (("q", seqlen_q), ("k/v", seqlen_k)):
-        if n % seqlen_multiple != 0:
-            raise ValueError(f"{where}: {name} seqlen {n} is not supported: this step needs a multiple of {seqlen_multiple}")
+    for name, n, mult in (("q", seqlen_q, seqlen_multiple[0]), ("k/v", seqlen_k, seqlen_multiple[1])):
+        if n % mult != 0:
+            raise ValueError(f"{where}: {name} seqlen {n} is not supported: this step needs a multiple of {mult}")
     if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ or seqlen_q * heads * batch >= 2**31 or seqlen_k >= 2**31:
         raise ValueError(f"{where}: q {tuple(q.shape)} / k {tuple(k.shape)} too large: batch, heads <= {MAX_GRID_YZ}, "
                          "batch*heads*seqlen_q < 2^31, seqlen_k < 2^31")
@@ -151,7 +156,7 @@ def bind_step(module_name: str):
     """Build the public API of the step package `module_name` (e.g. 'flashladder.step01')."""
     step = module_name.rsplit(".", 1)[-1]
     lib = _load_library(Path(sys.modules[module_name].__file__).resolve().parent / "_kernel.so")
-    seqlen_multiple = lib.flashladder_seqlen_multiple()
+    seqlen_multiple = (lib.flashladder_seqlen_multiple_q(), lib.flashladder_seqlen_multiple_k())  # (q, k/v)
 
     def launch(q, k, v, o, lse, scale: float) -> None:
         tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
@@ -210,7 +215,8 @@ def bind_step(module_name: str):
         fwd_out(q, k, v, o, lse, scale)
 
     attention.__module__ = attention_out.__module__ = module_name
-    info = {"step": step, "seqlen_multiple": seqlen_multiple, "library": lib._name,
+    info = {"step": step, "seqlen_multiple_q": seqlen_multiple[0], "seqlen_multiple_k": seqlen_multiple[1],
+            "library": lib._name,
             "ptxas_report": (Path(lib._name).parent / "_ptxas.txt").read_text()
             if (Path(lib._name).parent / "_ptxas.txt").exists() else ""}
     return attention, attention_out, info

@@ -16,7 +16,7 @@
 #define FLASHLADDER_EXPORT extern "C" __attribute__((visibility("default")))
 
 // Bumped when FwdParams or the exported functions change; the binding refuses a mismatched .so.
-#define FLASHLADDER_ABI_VERSION 1
+#define FLASHLADDER_ABI_VERSION 2
 
 constexpr int HEAD_DIM = 128;  // the ladder's one head size (LADDER.md: fixed scope)
 
@@ -42,9 +42,28 @@ __device__ __forceinline__ T* row_ptr(T* base, const int64_t stride[3], int batc
     return base + batch * stride[0] + head * stride[1] + row * stride[2];
 }
 
-// ---- exported alongside each step's own flashladder_fwd and flashladder_seqlen_multiple ----
+// ---- exported alongside each step's own flashladder_fwd, flashladder_seqlen_multiple_q/_k ----
 // (each step's .so is built from exactly one translation unit, its kernel.cu, so these are defined once)
 FLASHLADDER_EXPORT int flashladder_abi_version() { return FLASHLADDER_ABI_VERSION; }
+// The binding compares this with ctypes.sizeof of its mirror of FwdParams when it loads the library.
+FLASHLADDER_EXPORT int flashladder_params_size() { return static_cast<int>(sizeof(FwdParams)); }
 FLASHLADDER_EXPORT const char* flashladder_error_string(int err) {
     return cudaGetErrorString(static_cast<cudaError_t>(err));
+}
+
+// Ask for more than 48 KB of dynamic shared memory for `kernel`, once per device and process: the limit
+// is an attribute of the function on one device, and setting it on every launch is a wasted driver call.
+// (A template on the kernel: one flag per kernel and device; a race between two threads sets it twice,
+// which is harmless.)
+template <auto kernel>
+inline cudaError_t raise_smem_limit_once(int bytes) {
+    constexpr int MAX_DEVICES = 64;
+    static bool done[MAX_DEVICES] = {};
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    if (device < MAX_DEVICES && done[device]) return cudaSuccess;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err == cudaSuccess && device < MAX_DEVICES) done[device] = true;
+    return err;
 }

@@ -156,11 +156,12 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdPar
 }  // namespace
 
 // ---- host launcher: grid, block, shared memory, attributes ----
-FLASHLADDER_EXPORT int flashladder_seqlen_multiple() { return BLOCK_M > BLOCK_N ? BLOCK_M : BLOCK_N; }
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return BLOCK_M; }  // one block per BLOCK_M query rows
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return BLOCK_N; }  // whole K/V tiles only
 
 FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t stream) {
-    // 64 KB of dynamic shared memory is above the 48 KB a block gets without asking.
-    cudaError_t err = cudaFuncSetAttribute(attention_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    // 64 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
+    const cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
     const dim3 grid(params->seqlen_q / BLOCK_M, params->heads, params->batch);
     attention_fwd_kernel<<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(*params);

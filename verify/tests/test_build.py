@@ -15,9 +15,11 @@ def test_compiles_without_spills(step, built):
 
 def test_exports_the_abi(step, built):
     lib = ctypes.CDLL(str(steps_mod.DEV / "flashladder" / step / "_kernel.so"))
-    assert lib.flashladder_abi_version() == 1
-    mult = lib.flashladder_seqlen_multiple()
-    assert mult > 0 and mult % 64 == 0, f"{step}: odd seqlen multiple {mult}"
+    import binding  # common/binding.py (verify.steps puts common/ on sys.path)
+    assert lib.flashladder_abi_version() == binding.ABI_VERSION
+    assert lib.flashladder_params_size() == ctypes.sizeof(binding.FwdParams)
+    for mult in (lib.flashladder_seqlen_multiple_q(), lib.flashladder_seqlen_multiple_k()):
+        assert mult > 0 and mult % 64 == 0, f"{step}: odd seqlen multiple {mult}"
 
 
 def test_steps_are_found_by_glob():
