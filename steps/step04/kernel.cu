@@ -1,8 +1,8 @@
 // flashladder step04 -- swizzled shared memory: ldmatrix without bank conflicts.
 //
-// The ladder (see README.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
-// 05 double buffering -> 06 instruction diet -> 07 TMA -> 08/09 wgmma -> 10 warp specialization ->
-// 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax tricks -> 14 persistent kernel.
+// The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
+// 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
+// 10 warp specialization -> 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP03
 //   Shared memory is swizzled. A Q, K or V row is 128 bf16 = 256 bytes, and ldmatrix reads one 16-byte
@@ -45,7 +45,6 @@ template <int ROWS>
 __device__ void load_tile_async(__nv_bfloat16* dst_smem, const __nv_bfloat16* src_gmem, int64_t row_stride) {
     constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(__nv_bfloat16) / 16;  // 16 x 16 B per row
     static_assert(ROWS * CHUNKS_PER_ROW % NUM_THREADS == 0, "every thread copies the same number of chunks");
-#pragma unroll  // a fixed trip count: fully unrolled, no loop bookkeeping
     for (int i = 0; i < ROWS * CHUNKS_PER_ROW / NUM_THREADS; ++i) {
         const int c = threadIdx.x + i * NUM_THREADS;
         const int row = c / CHUNKS_PER_ROW, chunk = c % CHUNKS_PER_ROW;

@@ -1,8 +1,8 @@
 // flashladder step05 -- double-buffered K/V: load tile j+1 while computing tile j.
 //
-// The ladder (see README.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
-// 05 double buffering -> 06 instruction diet -> 07 TMA -> 08/09 wgmma -> 10 warp specialization ->
-// 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax tricks -> 14 persistent kernel.
+// The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
+// 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
+// 10 warp specialization -> 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP04
 //   K and V are double-buffered. Until now each tile was loaded, waited for, computed, and only then was
@@ -22,7 +22,7 @@
 //   registers) the warps still run in lock-step between barriers, and the tensor pipe idles while all of
 //   them do their softmax at once (ncu on the first draft of step06, which had this step's 8-warp
 //   block: 34% tensor-pipe utilization, 0.57 eligible warps per scheduler;
-//   results/h200/exploration/ncu_step06_8warps.txt). step06 attacks that.
+//   results/h200/exploration/ncu_step06_8warps.txt). Steps 06 and 07 attack that.
 #include "flashladder.cuh"
 #include "ptx.cuh"
 #include "swizzle.cuh"
@@ -49,7 +49,6 @@ template <int ROWS>
 __device__ void load_tile_async(__nv_bfloat16* dst_smem, const __nv_bfloat16* src_gmem, int64_t row_stride) {
     constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(__nv_bfloat16) / 16;  // 16 x 16 B per row
     static_assert(ROWS * CHUNKS_PER_ROW % NUM_THREADS == 0, "every thread copies the same number of chunks");
-#pragma unroll  // a fixed trip count: fully unrolled, no loop bookkeeping
     for (int i = 0; i < ROWS * CHUNKS_PER_ROW / NUM_THREADS; ++i) {
         const int c = threadIdx.x + i * NUM_THREADS;
         const int row = c / CHUNKS_PER_ROW, chunk = c % CHUNKS_PER_ROW;

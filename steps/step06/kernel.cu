@@ -1,47 +1,34 @@
-// flashladder step06 -- instruction diet: two row blocks per warp, ldmatrix.x4, XOR addresses, exp2 in one FFMA (FlashAttention-2 level).
+// flashladder step06 -- instruction diet: ldmatrix.x4, exp2 with the scale in one FFMA, lazy row sums, XOR addresses.
 //
-// The ladder (see README.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
-// 05 double buffering -> 06 instruction diet -> 07 TMA -> 08/09 wgmma -> 10 warp specialization ->
-// 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax tricks -> 14 persistent kernel.
+// The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
+// 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
+// 10 warp specialization -> 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP05
-//   An instruction diet: the same math with fewer instructions per mma, FlashAttention-2's recipe.
-//   A first draft of this step kept step05's 8-warp block; ncu on it (results/h200/exploration/
-//   ncu_step06_8warps.txt) counted ~866 instructions per warp per tile for 128 mma, 2 warps per
-//   scheduler of which only 0.57 were ready per cycle, and the tensor pipe busy 34% of the time.
-//   Every instruction that is not an mma stands in the mma's way.
-//   * Two row blocks per warp. A warp now owns 32 query rows (4 warps x 32 = the same 128-row block),
-//     so every K and V fragment it loads from shared memory feeds TWO mma instead of one. The
-//     ldmatrix traffic per mma falls by ~40%, and each warp has twice the independent mma in flight.
-//     The price is registers: O (128) + S (64) accumulators leave no room to keep Q in registers, so
-//     Q's fragments are re-read from shared memory at every k-step; 4 warps x 255 registers still let
-//     2 blocks share an SM, 8 warps as before, but from two independent blocks whose barriers do not
-//     line up.
-//   * ldmatrix.x4 instead of .x2 for K and V: one instruction fetches the fragments of two 8-key blocks
-//     of K (or two 8-dim blocks of V).
-//   * Swizzled addresses by XOR: at k-step 0 each lane computes its ldmatrix address once; the address
-//     at k-step kk is that XOR kk*32 bytes (the swizzle permutes 16-byte chunks inside a 128-byte span,
-//     common/swizzle.cuh), plus a constant the instruction encodes. One LOP3 per k-step instead of the
-//     full swizzle_128b() arithmetic per ldmatrix. The cp.async offsets inside a tile use 32-bit math.
+//   The same math with fewer instructions around each mma. ncu on step05's kernel shape (8 warps x 16
+//   rows; results/h200/exploration/ncu_step06_8warps.txt) counted ~866 instructions per warp per K/V
+//   tile for 128 mma, 2 warps per scheduler with only 0.57 of them ready per cycle, and the tensor pipe
+//   busy 34% of the time: every instruction that is not an mma stands in the mma's way. Four cuts:
+//   * ldmatrix.x4 instead of .x2 for K and V: one instruction fetches the B fragments of two 8-key
+//     blocks of K (or two 8-dim blocks of V). Half the ldmatrix instructions, the same bytes.
 //   * exp2 with the scale folded in: exp(scale * (s - max)) = 2^(s * scale_log2 - max * scale_log2)
 //     with scale_log2 = scale * log2(e): ONE FFMA and ONE ex2.approx (MUFU) per element, where step05
 //     paid an FMUL by the scale and libm's expf (a range reduction around the same MUFU). The running
 //     max is kept on the raw scores, which is why scale must be positive (the binding checks).
 //   * Lazy row sums: each lane sums its own columns of a row; the quad adds its 4 parts once, at the
-//     end. (The row MAX still takes the quad shuffles every tile: all 4 lanes must subtract the same.)
-//   O is rescaled by alpha once per tile, as it has been since step02 (FlashAttention-1 renormalized O
-//   on every tile; FA2 and this ladder divide by l once at the end).
-//   The S loop over k-steps is kept rolled (#pragma unroll 1): fully unrolled, ptxas hoists so many
-//   fragment loads that it spills at the 255-register limit (NOTES.md has the variants).
+//     end, instead of two shuffles per row per tile. (The row MAX still takes the quad shuffles every
+//     tile: all 4 lanes must subtract the same max.)
+//   * Addresses by XOR: each lane computes its ldmatrix byte address once, at k-step 0; the address at
+//     k-step kk is that address XOR kk * KSTEP_BYTES (the swizzle permutes 16-byte chunks inside a
+//     128-byte span, common/swizzle.cuh), plus a constant the instruction can encode for another key
+//     block. One LOP3 per k-step instead of the full swizzle_128b() arithmetic for every ldmatrix. The
+//     cp.async offsets inside a tile use 32-bit math (the binding keeps row strides below 2^24).
+//   The tiling is step05's: 8 warps x 16 query rows, 64-key tiles, Q in registers for the whole loop.
 //
-// PREDICTION: FlashAttention-2's level, ~1.0x SDPA's FLASH backend (~350 TFLOP/s): the variants tried
-//   on the way (NOTES.md) put 16 rows per warp near 0.9x and 32 rows per warp at ~1.03-1.05x.
-// MEASURED (results/h200/2026-11-29T10-34-41Z.json, H200, N = 4K / 8K / 16K):
-//   245.1 / 249.2 / 251.2 -> 358.8 / 363.5 / 368.5 TFLOP/s
-//   (1.46x step05), 1.02 / 1.02 / 1.03x SDPA's FLASH backend (FlashAttention-2) in the same run.
-//   On the way (results/h200/exploration/variants*.log): the diet with 16 rows per warp gave ~310
-//   at 16K; 16 rows x 4 warps x 2 blocks/SM ~324; 32 rows per warp, fully unrolled, 369-372 but with
-//   76 bytes of spills; rolled S loop + 32-bit tile offsets: no spills, 359-360 (this step).
+// PREDICTION: ~1.2x step05. The first draft of this step (ldmatrix.x4 + exp2 + lazy sums, without the
+//   XOR addresses) ran at 301 / 310 TFLOP/s at N = 4K / 16K (results/h200/exploration/variants1.log),
+//   and the XOR addresses gave nothing measurable on a 16-row-per-warp variant (variants3.log).
+// MEASURED: pending the next H200 run.
 #include "flashladder.cuh"
 #include "ptx.cuh"
 #include "swizzle.cuh"
@@ -50,29 +37,31 @@ namespace {
 
 constexpr int BLOCK_M = 128;                          // query rows per block
 constexpr int BLOCK_N = 64;                           // keys per K/V tile
-constexpr int NUM_WARPS = 4;
+constexpr int NUM_WARPS = 8;
 constexpr int NUM_THREADS = NUM_WARPS * 32;
-constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;    // 32: two mma row blocks per warp
-constexpr int M_BLOCKS = ROWS_PER_WARP / 16;          // every K/V fragment feeds M_BLOCKS mma
+constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;    // 16: one mma row block per warp
 constexpr int S_BLOCKS = BLOCK_N / 8;                 // S = Q K^T: 8 accumulators of 16x8 per warp
 constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 accumulators of 16x8 per warp
 constexpr int QK_STEPS = HEAD_DIM / 16;               // k-steps of S = Q K^T over the head dim
 constexpr int PV_STEPS = BLOCK_N / 16;                // k-steps of O += P V over the keys
 constexpr int STAGES = 2;                             // K/V buffers: compute one while the other fills
 constexpr int SMEM_BYTES = (BLOCK_M + 2 * STAGES * BLOCK_N) * HEAD_DIM * sizeof(__nv_bfloat16);  // Q, K, V
-static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole 16-row mma blocks");
+// Byte distances inside a swizzled [rows, HEAD_DIM] tile, for the XOR addressing:
+constexpr int ROW_BYTES = HEAD_DIM * sizeof(__nv_bfloat16);  // 256: one row
+constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);      // 32: 16 columns, one k-step of Q K^T
+constexpr int DBLOCK_BYTES = 8 * sizeof(__nv_bfloat16);      // 16: 8 columns, one dim block of P V
+static_assert(ROWS_PER_WARP == 16, "each warp owns exactly one 16-row mma block");
 
 // Start copying a [ROWS, HEAD_DIM] bf16 tile (rows `row_stride` elements apart in global memory) into a
 // swizzled [ROWS, HEAD_DIM] shared-memory tile, 16 bytes per cp.async. The copies complete asynchronously:
 // the caller commits them as a group and waits for the group before reading the tile.
 template <int ROWS>
 __device__ void load_tile_async(__nv_bfloat16* dst_smem, const __nv_bfloat16* src_gmem, int64_t row_stride) {
-    constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(__nv_bfloat16) / 16;  // 16 x 16 B per row
+    constexpr int CHUNKS_PER_ROW = ROW_BYTES / 16;  // 16 x 16 B per row
     static_assert(ROWS * CHUNKS_PER_ROW % NUM_THREADS == 0, "every thread copies the same number of chunks");
     constexpr int ROWS_PER_PASS = NUM_THREADS / CHUNKS_PER_ROW;
     const int row0 = threadIdx.x / CHUNKS_PER_ROW, chunk = threadIdx.x % CHUNKS_PER_ROW;
     const int stride = int(row_stride);  // in-tile offsets fit 32 bits (the binding keeps strides < 2^24)
-#pragma unroll  // a fixed trip count: fully unrolled, no loop bookkeeping
     for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i)
         cp_async_cg_16(dst_smem + swizzle_128b<HEAD_DIM>(row0 + i * ROWS_PER_PASS, chunk * 8),
                        src_gmem + ((row0 + i * ROWS_PER_PASS) * stride + chunk * 8));
@@ -98,13 +87,14 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdPar
 
     const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int quad_row = lane / 4;   // this lane holds rows quad_row and quad_row + 8 of each 16-row block
+    const int quad_row = lane / 4;   // this lane holds rows quad_row and quad_row + 8 of the warp's 16
     const int quad_col = lane % 4;   // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
     const auto* q = static_cast<const __nv_bfloat16*>(p.q);
     const auto* k = static_cast<const __nv_bfloat16*>(p.k);
     const auto* v = static_cast<const __nv_bfloat16*>(p.v);
 
-    // Step 1: the Q tile (loaded once) and K/V tile 0 (into stage 0), in flight together.
+    // Step 1: the Q tile (loaded once) and K/V tile 0 (into stage 0), in flight together;
+    // each warp then keeps its 16 x 128 slice of Q as 8 A fragments.
     const int num_kv_tiles = p.seqlen_k / BLOCK_N;
     load_tile_async<BLOCK_M>(Q_smem, row_ptr(q, p.q_stride, batch, head, int64_t(q_tile) * BLOCK_M), p.q_stride[2]);
     load_tile_async<BLOCK_N>(K_smem, row_ptr(k, p.k_stride, batch, head, 0), p.k_stride[2]);
@@ -113,23 +103,26 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdPar
     cp_async_wait_group<0>();  // this thread's copies have landed...
     __syncthreads();           // ...and so have everyone else's: Q_smem and stage 0 are complete
 
-    // Each lane's ldmatrix byte address at k-step 0, block 0 (the lane patterns are step05's): another
-    // k-step is an XOR inside the 128-byte swizzle span, another row block a plain constant offset.
+    // Each lane's ldmatrix byte address at k-step 0, block 0 (the lane patterns are step05's, with x4 for
+    // K and V): another k-step is an XOR inside the 128-byte swizzle span, another block a constant offset.
+    //   Q: lanes 0-15 give rows 0-15 at dims +0, lanes 16-31 the same rows at dims +8.
+    //   K: lanes 0-7 give keys 0-7 at dims +0, lanes 8-15 the same keys at dims +8, lanes 16-31 keys 8-15
+    //      likewise: the B fragments of two 8-key blocks.
+    //   V: lanes 0-15 give keys 0-15 at dims +0, lanes 16-31 the same keys at dims +8, transposed: the B
+    //      fragments of two 8-dim blocks.
     const uint32_t Q_lane = smem_u32(Q_smem + swizzle_128b<HEAD_DIM>(warp * ROWS_PER_WARP + lane % 16, (lane / 16) * 8));
     const uint32_t K_lane = 2 * swizzle_128b<HEAD_DIM>((lane / 16) * 8 + lane % 8, ((lane / 8) % 2) * 8);  // bytes into a tile
     const uint32_t V_lane = 2 * swizzle_128b<HEAD_DIM>(lane % 16, (lane / 16) * 8);
+    uint32_t Q_frag[QK_STEPS][4];  // [16 rows, 16 dims] per k-step: 8 A fragments, 32 registers
+    for (int kk = 0; kk < QK_STEPS; ++kk)
+        ldmatrix_x4(Q_frag[kk], Q_lane ^ (kk * KSTEP_BYTES));
+
     const float scale_log2 = p.scale * 1.4426950408889634f;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
-    float m_i[M_BLOCKS][2];                 // running max of rows quad_row, quad_row+8 of each block (RAW scores)
-    float l_i[M_BLOCKS][2];                 // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
-    float O_acc[M_BLOCKS][O_BLOCKS][4];     // [32 rows, 128 dims] as 2 x 16 accumulators of 16x8
-#pragma unroll
-    for (int mb = 0; mb < M_BLOCKS; ++mb) {
-        m_i[mb][0] = m_i[mb][1] = -INFINITY;
-        l_i[mb][0] = l_i[mb][1] = 0.f;
-#pragma unroll
-        for (int db = 0; db < O_BLOCKS; ++db)
-            for (int i = 0; i < 4; ++i) O_acc[mb][db][i] = 0.f;
-    }
+    float m_i[2] = {-INFINITY, -INFINITY};  // running max of rows quad_row, quad_row+8 (RAW scores)
+    float l_i[2] = {0.f, 0.f};              // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
+    float O_acc[O_BLOCKS][4];               // [16 rows, 128 dims] as 16 accumulators of 16x8
+    for (int db = 0; db < O_BLOCKS; ++db)
+        for (int i = 0; i < 4; ++i) O_acc[db][i] = 0.f;
 
     for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile) {
         // Step 2: start the copies of the NEXT tile into the other stage; they land while this one computes.
@@ -144,80 +137,54 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdPar
         const uint32_t K_tile = smem_u32(K_smem + (kv_tile % STAGES) * BLOCK_N * HEAD_DIM) + K_lane;  // this tile's stage
         const uint32_t V_tile = smem_u32(V_smem + (kv_tile % STAGES) * BLOCK_N * HEAD_DIM) + V_lane;
 
-        // Step 3: S = Q K^T on the tensor cores: [32 rows, 64 keys] per warp, in fp32 accumulators.
-        float S_acc[M_BLOCKS][S_BLOCKS][4];
-#pragma unroll
-        for (int mb = 0; mb < M_BLOCKS; ++mb)
-#pragma unroll
-            for (int nb = 0; nb < S_BLOCKS; ++nb)
-                for (int i = 0; i < 4; ++i) S_acc[mb][nb][i] = 0.f;
-#pragma unroll 1
+        // Step 3: S = Q K^T on the tensor cores: [16 rows, 64 keys] per warp, in fp32 accumulators.
+        float S_acc[S_BLOCKS][4];
+        for (int nb = 0; nb < S_BLOCKS; ++nb)
+            for (int i = 0; i < 4; ++i) S_acc[nb][i] = 0.f;
         for (int kk = 0; kk < QK_STEPS; ++kk) {
-            uint32_t Q_frag[M_BLOCKS][4];  // re-read from shared memory: no registers left to keep all of Q
-#pragma unroll
-            for (int mb = 0; mb < M_BLOCKS; ++mb)
-                ldmatrix_x4(Q_frag[mb], (Q_lane ^ (kk * 32)) + mb * 16 * HEAD_DIM * 2);
-#pragma unroll
             for (int nb = 0; nb < S_BLOCKS; nb += 2) {
-                uint32_t K_frag[4];  // the B fragments of key blocks nb and nb+1 (step05's lane pattern), for BOTH row blocks
-                ldmatrix_x4(K_frag, (K_tile ^ (kk * 32)) + nb * 8 * HEAD_DIM * 2);
-#pragma unroll
-                for (int mb = 0; mb < M_BLOCKS; ++mb) {
-                    mma_m16n8k16_bf16_f32(S_acc[mb][nb], Q_frag[mb], {K_frag[0], K_frag[1]});
-                    mma_m16n8k16_bf16_f32(S_acc[mb][nb + 1], Q_frag[mb], {K_frag[2], K_frag[3]});
-                }
+                uint32_t K_frag[4];  // [0..1]: B fragment of key block nb, [2..3]: of key block nb+1
+                ldmatrix_x4(K_frag, (K_tile ^ (kk * KSTEP_BYTES)) + nb * 8 * ROW_BYTES);
+                mma_m16n8k16_bf16_f32(S_acc[nb], Q_frag[kk], {K_frag[0], K_frag[1]});
+                mma_m16n8k16_bf16_f32(S_acc[nb + 1], Q_frag[kk], {K_frag[2], K_frag[3]});
             }
         }
 
-        // Step 4: the online-softmax update for this lane's rows (r = 0: quad_row, r = 1: quad_row + 8 of
-        // row block mb). S_acc[mb][nb][2r..2r+1] are raw scores; they become the probabilities P in place.
-#pragma unroll
-        for (int mb = 0; mb < M_BLOCKS; ++mb)
-#pragma unroll
+        // Step 4: the online-softmax update for this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8).
+        // S_acc[nb][2r], S_acc[nb][2r+1] are row r's raw scores; they become the probabilities P in place.
         for (int r = 0; r < 2; ++r) {
             float tile_max = -INFINITY;
-#pragma unroll
             for (int nb = 0; nb < S_BLOCKS; ++nb)
-                tile_max = fmaxf(tile_max, fmaxf(S_acc[mb][nb][2 * r], S_acc[mb][nb][2 * r + 1]));
-            const float m_new = fmaxf(m_i[mb][r], quad_max(tile_max));
-            const float alpha = ex2_approx_ftz((m_i[mb][r] - m_new) * scale_log2);  // 2^-inf = 0 on the first tile
+                tile_max = fmaxf(tile_max, fmaxf(S_acc[nb][2 * r], S_acc[nb][2 * r + 1]));
+            const float m_new = fmaxf(m_i[r], quad_max(tile_max));
+            const float alpha = ex2_approx_ftz((m_i[r] - m_new) * scale_log2);  // 2^-inf = 0 on the first tile
             const float m_scaled = m_new * scale_log2;
             float row_sum = 0.f;
-#pragma unroll
             for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one MUFU.EX2 per element
-                S_acc[mb][nb][2 * r] = ex2_approx_ftz(fmaf(S_acc[mb][nb][2 * r], scale_log2, -m_scaled));
-                S_acc[mb][nb][2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[mb][nb][2 * r + 1], scale_log2, -m_scaled));
-                row_sum += S_acc[mb][nb][2 * r] + S_acc[mb][nb][2 * r + 1];
+                S_acc[nb][2 * r] = ex2_approx_ftz(fmaf(S_acc[nb][2 * r], scale_log2, -m_scaled));
+                S_acc[nb][2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[nb][2 * r + 1], scale_log2, -m_scaled));
+                row_sum += S_acc[nb][2 * r] + S_acc[nb][2 * r + 1];
             }
-            l_i[mb][r] = alpha * l_i[mb][r] + row_sum;  // no shuffle: the quad's parts are added at the end
-            m_i[mb][r] = m_new;
-#pragma unroll
+            l_i[r] = alpha * l_i[r] + row_sum;  // no shuffle: the quad's parts are added once, at the end
+            m_i[r] = m_new;
             for (int db = 0; db < O_BLOCKS; ++db) {
-                O_acc[mb][db][2 * r] *= alpha;
-                O_acc[mb][db][2 * r + 1] *= alpha;
+                O_acc[db][2 * r] *= alpha;
+                O_acc[db][2 * r + 1] *= alpha;
             }
         }
 
         // Step 5: O += P V. Two neighbouring 8-key accumulators of P form one 16x16 A fragment (bf16).
-#pragma unroll
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            uint32_t P_frag[M_BLOCKS][4];
-#pragma unroll
-            for (int mb = 0; mb < M_BLOCKS; ++mb) {
-                P_frag[mb][0] = cvt_rn_bf16x2_f32(S_acc[mb][2 * kk][0], S_acc[mb][2 * kk][1]);
-                P_frag[mb][1] = cvt_rn_bf16x2_f32(S_acc[mb][2 * kk][2], S_acc[mb][2 * kk][3]);
-                P_frag[mb][2] = cvt_rn_bf16x2_f32(S_acc[mb][2 * kk + 1][0], S_acc[mb][2 * kk + 1][1]);
-                P_frag[mb][3] = cvt_rn_bf16x2_f32(S_acc[mb][2 * kk + 1][2], S_acc[mb][2 * kk + 1][3]);
-            }
-#pragma unroll
+            uint32_t P_frag[4];
+            P_frag[0] = cvt_rn_bf16x2_f32(S_acc[2 * kk][0], S_acc[2 * kk][1]);          // row g,   keys +2t
+            P_frag[1] = cvt_rn_bf16x2_f32(S_acc[2 * kk][2], S_acc[2 * kk][3]);          // row g+8, keys +2t
+            P_frag[2] = cvt_rn_bf16x2_f32(S_acc[2 * kk + 1][0], S_acc[2 * kk + 1][1]);  // row g,   keys +8+2t
+            P_frag[3] = cvt_rn_bf16x2_f32(S_acc[2 * kk + 1][2], S_acc[2 * kk + 1][3]);  // row g+8, keys +8+2t
             for (int db = 0; db < O_BLOCKS; db += 2) {
-                uint32_t V_frag[4];  // the B fragments of dim blocks db and db+1, for both row blocks
-                ldmatrix_x4_trans(V_frag, (V_tile ^ (db * 16)) + kk * 16 * HEAD_DIM * 2);
-#pragma unroll
-                for (int mb = 0; mb < M_BLOCKS; ++mb) {
-                    mma_m16n8k16_bf16_f32(O_acc[mb][db], P_frag[mb], {V_frag[0], V_frag[1]});
-                    mma_m16n8k16_bf16_f32(O_acc[mb][db + 1], P_frag[mb], {V_frag[2], V_frag[3]});
-                }
+                uint32_t V_frag[4];  // [0..1]: B fragment of dim block db, [2..3]: of dim block db+1
+                ldmatrix_x4_trans(V_frag, (V_tile ^ (db * DBLOCK_BYTES)) + kk * 16 * ROW_BYTES);
+                mma_m16n8k16_bf16_f32(O_acc[db], P_frag, {V_frag[0], V_frag[1]});
+                mma_m16n8k16_bf16_f32(O_acc[db + 1], P_frag, {V_frag[2], V_frag[3]});
             }
         }
         cp_async_wait_group<0>();  // this thread's copies of the next tile have landed...
@@ -225,19 +192,16 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdPar
     }
 
     // Step 6: the row sums' quad parts added up, the final normalization, once per row, and the log-sum-exp.
-#pragma unroll
-    for (int mb = 0; mb < M_BLOCKS; ++mb)
     for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(l_i[mb][r]);
+        const float l = quad_sum(l_i[r]);
         const float inv_l = 1.f / l;
-        const int64_t q_row = int64_t(q_tile) * BLOCK_M + warp * ROWS_PER_WARP + mb * 16 + quad_row + 8 * r;
+        const int64_t q_row = int64_t(q_tile) * BLOCK_M + warp * ROWS_PER_WARP + quad_row + 8 * r;
         __nv_bfloat16* O_gmem = row_ptr(static_cast<__nv_bfloat16*>(p.o), p.o_stride, batch, head, q_row);
-#pragma unroll
         for (int db = 0; db < O_BLOCKS; ++db)
             *reinterpret_cast<__nv_bfloat162*>(O_gmem + db * 8 + 2 * quad_col) =
-                __floats2bfloat162_rn(O_acc[mb][db][2 * r] * inv_l, O_acc[mb][db][2 * r + 1] * inv_l);
+                __floats2bfloat162_rn(O_acc[db][2 * r] * inv_l, O_acc[db][2 * r + 1] * inv_l);
         if (quad_col == 0)
-            p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[mb][r] * p.scale + logf(l);
+            p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
     }
 }
 
