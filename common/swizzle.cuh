@@ -20,3 +20,16 @@ __device__ __forceinline__ int swizzle_128b(int row, int col) {
     const int chunk = col / 8;
     return row * ROW_ELEMS + ((chunk ^ (row % 8)) * 8) + col % 8;
 }
+
+// TMA's SWIZZLE_128B layout of a [ROWS, HEAD_DIM] bf16 tile (the layout the TMA steps load and wgmma reads).
+// The bulk-tensor copy writes boxes whose rows are at most 128 bytes, and its 128-byte swizzle XORs address
+// bits 4-6 (the 16-byte chunk inside a 128-byte row) with bits 7-9 (the row inside an 8-row, 1024-byte atom).
+// A 256-byte head-dim row therefore arrives as two 64-column halves, each half a dense [ROWS, 64] tile:
+//     half h = col / 64 at element offset h * ROWS * 64; inside it, chunk c of row r at chunk c ^ (r % 8).
+// Inside a half this is swizzle_128b<64>; the tile base must be 1024-byte aligned for the XOR to line up
+// with the hardware's (it reads the address bits, not the offset).
+template <int ROWS>
+__device__ __forceinline__ int swizzle_tma_128b(int row, int col) {
+    constexpr int HALF = 64;  // 64 bf16 = 128 bytes: the widest row the 128-byte swizzle handles
+    return (col / HALF) * ROWS * HALF + swizzle_128b<HALF>(row, col % HALF);
+}

@@ -1,0 +1,63 @@
+// flashladder/common/tma.cuh -- the Tensor Memory Accelerator: bulk tensor copies global -> shared (sm_90).
+//
+// One thread describes a whole tile ("box") by its coordinates in a tensor map; the TMA unit copies it,
+// applies the shared-memory swizzle, and counts the bytes off an mbarrier (common/mbarrier.cuh). No
+// address arithmetic per thread, no registers, no per-thread instructions in the loop.
+//
+// The tensor map (a 128-byte CUtensorMap) is built on the host by the driver's cuTensorMapEncodeTiled
+// (reached through common/driver_api.cuh, no -lcuda) and passed to the kernel as a
+// `const __grid_constant__ CUtensorMap` parameter, so the TMA unit can read it from parameter memory.
+#pragma once
+
+#include <cstdint>
+#include "driver_api.cuh"
+#include "flashladder.cuh"
+#include "ptx.cuh"
+
+// Copy the box at coordinates (c0 innermost .. c3) of `map` into shared memory at `dst` (1024-byte aligned
+// for the 128-byte swizzle), completing on `bar` with complete_tx of the box's bytes.
+// PTX ISA: "Data Movement and Conversion Instructions: cp.async.bulk.tensor".
+__device__ __forceinline__ void cp_async_bulk_tensor_4d_global_to_shared(void* dst, const CUtensorMap* map, int c0, int c1,
+                                                                          int c2, int c3, uint64_t* bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 :: "r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                    "r"(smem_u32(bar))
+                 : "memory");
+}
+
+// Fetch the tensor map into the TMA unit's cache before the first copy needs it.
+// PTX ISA: "Data Movement and Conversion Instructions: prefetch" (prefetch.tensormap).
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// ---- host side ----
+
+// The tensor map of one of the four [batch, heads, seqlen, HEAD_DIM] bf16 tensors (strides in elements, as
+// in FwdParams), read in boxes of [box_rows, 64] with the 128-byte swizzle (common/swizzle.cuh:
+// swizzle_tma_128b). TMA dims, innermost first: (dim, row, head, batch). A dimension whose stride is 0
+// (k/v broadcast over heads or batch) is described as size 1: the kernel then asks for coordinate 0 there
+// (tma_coord below). Returns a CUresult (0 = success).
+inline int encode_tile_map(CUtensorMap* map, const void* base, const int64_t stride[3], int rows, int heads, int batch,
+                           int box_rows) {
+    cudaError_t lookup = cudaSuccess;
+    const auto encode = driver_cuTensorMapEncodeTiled(&lookup);
+    if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
+    constexpr uint64_t ELEM = sizeof(__nv_bfloat16);
+    const uint64_t row_bytes = uint64_t(stride[2]) * ELEM;
+    // A broadcast dimension (stride 0) becomes size 1; its stride is then never used, but must be valid.
+    const uint64_t head_bytes = stride[1] ? uint64_t(stride[1]) * ELEM : row_bytes;
+    const uint64_t batch_bytes = stride[0] ? uint64_t(stride[0]) * ELEM : row_bytes;
+    const cuuint64_t dims[4] = {HEAD_DIM, cuuint64_t(rows), cuuint64_t(stride[1] ? heads : 1), cuuint64_t(stride[0] ? batch : 1)};
+    const cuuint64_t strides[3] = {row_bytes, head_bytes, batch_bytes};  // bytes, of dims 1..3 (dim 0 is contiguous)
+    const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};          // 64 bf16 = one 128-byte swizzle row
+    const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// The coordinate to ask a tensor map for along a head or batch dimension of stride `stride`: 0 where the
+// tensor is broadcast (encode_tile_map made that dimension size 1), else the index itself.
+__device__ __forceinline__ int tma_coord(int64_t stride, int index) { return stride ? index : 0; }

@@ -1,0 +1,267 @@
+// flashladder step10 -- warp specialization: a producer warp feeds a K/V ring, two consumer warpgroups compute.
+//
+// The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
+// 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
+// 10 warp specialization -> 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax -> 14 persistent.
+//
+// WHAT CHANGED FROM STEP09
+//   The warps split into roles (FlashAttention-3's structure). In step09 every warp both computed and, once
+//   per tile, stopped at a __syncthreads so that thread 0 could refill the slot everyone had finished with:
+//   the whole block marched in lock-step, and each refill waited for the slowest warp. Now:
+//   * warpgroup 0 is the PRODUCER (producer_load): one thread issues every TMA copy. It waits on a slot's
+//     "empty" mbarrier, then refills it and the copy completes the slot's "full" mbarrier.
+//   * warpgroups 1 and 2 are CONSUMERS (consumer_mma), 64 query rows each, step09's math unchanged. They
+//     wait on "full", compute, and release the slot by arriving on "empty" (one arrival per warp, right
+//     after the wgmma that last reads the tile: K after S = Q K^T, V after O += P V).
+//   No block-wide barrier remains in the loop: the two consumers drift apart freely, and the producer runs
+//   up to STAGES tiles ahead of the slower one. The barriers, per slot s (parity = its use count % 2):
+//
+//       producer:  wait K_empty[s] -> TMA K -> K_full[s]      wait V_empty[s] -> TMA V -> V_full[s]
+//       consumer:  wait K_full[s] -> S = QK^T -> arrive K_empty[s] ... wait V_full[s] -> O += PV -> arrive V_empty[s]
+//
+//   * setmaxnreg: the launch bound (384 threads, 1 block per SM) caps every thread at 168 registers at
+//     entry; the producer warpgroup then gives its registers back (setmaxnreg.dec to 24) and the consumers
+//     take them (setmaxnreg.inc to 240), which they need once S, P and O are all live.
+//
+// PREDICTION: +10-20% over step09: the producer takes the copies and the refill barrier off the consumers'
+//   path, and the two consumer warpgroups, no longer in lock-step, overlap one's softmax with the other's
+//   wgmma now and then (ping-pong, step11, makes that deliberate).
+// MEASURED: pending the next H200 run.
+#include "flashladder.cuh"
+#include "mbarrier.cuh"
+#include "ptx.cuh"
+#include "swizzle.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace {
+
+constexpr int BLOCK_M = 128;                          // query rows per block
+constexpr int BLOCK_N = 128;                          // keys per K/V tile
+constexpr int NUM_CONSUMERS = 2;                      // consumer warpgroups, each computes 64 query rows with wgmma
+constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * 128;  // warpgroup 0: the producer
+constexpr int ROWS_PER_WARPGROUP = BLOCK_M / NUM_CONSUMERS;  // 64: wgmma's M
+constexpr int S_BLOCKS = BLOCK_N / 8;                 // S: 16 blocks of 8 keys, 4 registers each per thread
+constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 blocks of 8 dims, 4 registers each per thread
+constexpr int QK_STEPS = HEAD_DIM / 16;               // k-steps of S = Q K^T over the head dim
+constexpr int PV_STEPS = BLOCK_N / 16;                // k-steps of O += P V over the keys
+constexpr int STAGES = 2;                             // K/V ring slots: compute one while the other fills
+// setmaxnreg budgets (per thread): the producer issues TMA copies and needs few; the consumers hold S, P and
+// O. 128 x 24 + 2 x 128 x 240 = 64512 of the SM's 65536 registers.
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+// Byte distances inside a TMA-swizzled [rows, HEAD_DIM] tile (common/swizzle.cuh: two 64-column halves),
+// for the wgmma descriptors (common/wgmma.cuh):
+constexpr int ROW_BYTES = 64 * sizeof(__nv_bfloat16);        // 128: one row of one half
+constexpr int ATOM_BYTES = 8 * ROW_BYTES;                    // 1024: one 8-row swizzle atom (the SBO)
+constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);      // 32: 16 columns, one k-step of Q K^T
+constexpr int KSTEPS_PER_HALF = 64 / 16;                     // k-steps 0-3 read half 0, 4-7 half 1
+constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES, KV_HALF_BYTES = BLOCK_N * ROW_BYTES;
+
+// Shared memory. The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the
+// address bits 4-9, and the wgmma descriptors (base offset 0) assume the atoms start on 1024 bytes.
+struct alignas(1024) SharedStorage {
+    __nv_bfloat16 Q[BLOCK_M * HEAD_DIM];          // [2 halves, BLOCK_M, 64]
+    __nv_bfloat16 K[STAGES][BLOCK_N * HEAD_DIM];  // [2 halves, BLOCK_N, 64] per slot
+    __nv_bfloat16 V[STAGES][BLOCK_N * HEAD_DIM];
+    uint64_t Q_full;                              // Q has landed (one phase)
+    uint64_t K_full[STAGES], V_full[STAGES];      // slot s holds its tile: the producer's expect_tx + TMA bytes
+    uint64_t K_empty[STAGES], V_empty[STAGES];    // every consumer warp is done with slot s: it may be refilled
+};
+constexpr int SMEM_BYTES = sizeof(SharedStorage);
+constexpr int CONSUMER_WARPS = NUM_CONSUMERS * 4;  // the arrivals that empty a slot
+
+// One thread asks the TMA unit for a [ROWS, HEAD_DIM] tile starting at `row` of (head, batch): two boxes of
+// [ROWS, 64] (the two swizzled halves), both completing on `bar`, which first learns how many bytes to expect.
+template <int ROWS>
+__device__ void load_tile_tma(__nv_bfloat16* dst_smem, const CUtensorMap* map, int row, int head, int batch, uint64_t* bar) {
+    constexpr int HALF = ROWS * 64;  // elements in one half
+    mbarrier_arrive_expect_tx(bar, ROWS * HEAD_DIM * sizeof(__nv_bfloat16));
+    cp_async_bulk_tensor_4d_global_to_shared(dst_smem, map, 0, row, head, batch, bar);
+    cp_async_bulk_tensor_4d_global_to_shared(dst_smem + HALF, map, 64, row, head, batch, bar);
+}
+
+// Max / sum over the 4 threads of a quad (lanes 4r..4r+3 of a warp hold one query row).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The producer: one thread keeps the ring full. Q once, then for every K/V tile: wait until the slot is
+// empty (all consumer warps released its previous tile), then refill it. It runs ahead of the consumers by
+// up to STAGES tiles, and nothing else in the block waits for it except through the full barriers.
+__device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUtensorMap& Q_map, const CUtensorMap& K_map,
+                              const CUtensorMap& V_map) {
+    const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    prefetch_tensormap(&Q_map), prefetch_tensormap(&K_map), prefetch_tensormap(&V_map);
+    load_tile_tma<BLOCK_M>(smem.Q, &Q_map, q_tile * BLOCK_M, tma_coord(p.q_stride[1], head), tma_coord(p.q_stride[0], batch),
+                           &smem.Q_full);
+    const int num_kv_tiles = p.seqlen_k / BLOCK_N;
+    for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile) {
+        const int stage = kv_tile % STAGES;
+        // The slot's n-th fill (n = kv_tile / STAGES) needs its (n-1)-th emptying: parity (n - 1) % 2.
+        const uint32_t parity = (kv_tile / STAGES + 1) % 2;
+        if (kv_tile >= STAGES) mbarrier_wait_parity(&smem.K_empty[stage], parity);
+        load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, kv_tile * BLOCK_N, tma_coord(p.k_stride[1], head),
+                               tma_coord(p.k_stride[0], batch), &smem.K_full[stage]);
+        if (kv_tile >= STAGES) mbarrier_wait_parity(&smem.V_empty[stage], parity);
+        load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, kv_tile * BLOCK_N, tma_coord(p.v_stride[1], head),
+                               tma_coord(p.v_stride[0], batch), &smem.V_full[stage]);
+    }
+}
+
+// A consumer warpgroup: 64 query rows, step09's math. It waits for a slot to be full, computes, and
+// releases the slot (one arrival per warp, as soon as its last wgmma reading the tile has completed).
+__device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consumer) {
+    const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;  // warp 0-7 among the consumers
+    const int quad_row = lane / 4;   // this lane holds rows quad_row and quad_row + 8 of its warp's 16
+    const int quad_col = lane % 4;   // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
+    const int num_kv_tiles = p.seqlen_k / BLOCK_N;
+    mbarrier_wait_parity(&smem.Q_full, 0);  // Q's one and only phase
+
+    // This warpgroup's 64 rows of Q, at k-step 0: the A operand of S = Q K^T, K-major, 128-byte swizzle.
+    const uint32_t Q_rows = smem_u32(smem.Q) + consumer * ROWS_PER_WARPGROUP * ROW_BYTES;
+    const float scale_log2 = p.scale * 1.4426950408889634f;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
+    float m_i[2] = {-INFINITY, -INFINITY};  // running max of rows quad_row, quad_row+8 (RAW scores)
+    float l_i[2] = {0.f, 0.f};              // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
+    float O_acc[O_BLOCKS * 4];              // the warpgroup's [64 rows, 128 dims]: O_acc[4 * db + i] as mma's D
+    for (int i = 0; i < O_BLOCKS * 4; ++i) O_acc[i] = 0.f;
+
+    for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile) {
+        // This tile's slot, and the parity of its fill (the slot's n-th use completes phase n).
+        const int stage = kv_tile % STAGES;
+        const uint32_t parity = (kv_tile / STAGES) % 2;
+        const uint32_t K_tile = smem_u32(smem.K[stage]);
+        const uint32_t V_tile = smem_u32(smem.V[stage]);
+        mbarrier_wait_parity(&smem.K_full[stage], parity);  // K has landed (V may still be on its way)
+        // Step 3: S = Q K^T, [64 rows, 128 keys] per warpgroup: 8 wgmma, one per 16-wide k-step of the head
+        // dim, reading Q and K straight from shared memory (no ldmatrix, no fragments in registers).
+        // The next k-step starts 32 bytes further inside a swizzle atom, or in the other half.
+        float S_acc[S_BLOCKS * 4];  // S_acc[4 * nb + i]: key block nb, i as in mma's D fragment
+        wgmma_fence();              // S_acc was last read by the softmax: order those reads before the wgmma writes
+        for (int kk = 0; kk < QK_STEPS; ++kk) {
+            const uint32_t k_offset = kk / KSTEPS_PER_HALF * Q_HALF_BYTES + kk % KSTEPS_PER_HALF * KSTEP_BYTES;
+            const uint32_t k_offset_kv = kk / KSTEPS_PER_HALF * KV_HALF_BYTES + kk % KSTEPS_PER_HALF * KSTEP_BYTES;
+            wgmma_m64n128k16_ss(S_acc, wgmma_desc(Q_rows + k_offset, 16, ATOM_BYTES),
+                                wgmma_desc(K_tile + k_offset_kv, 16, ATOM_BYTES), kk > 0);
+        }
+        wgmma_commit_group();
+        wgmma_wait_group<0>();          // S is complete...
+        wgmma_fence_operands(S_acc);    // ...and the compiler may not read it any earlier
+        if (lane == 0) mbarrier_arrive(&smem.K_empty[stage]);  // this warp is done with the K tile
+
+        // Step 4: the online-softmax update for this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8),
+        // step07's code on the wgmma accumulator layout (the same per warp). Scores become P in place.
+        for (int r = 0; r < 2; ++r) {
+            float tile_max = -INFINITY;
+            for (int nb = 0; nb < S_BLOCKS; ++nb)
+                tile_max = fmaxf(tile_max, fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            const float m_new = fmaxf(m_i[r], quad_max(tile_max));
+            const float alpha = ex2_approx_ftz((m_i[r] - m_new) * scale_log2);  // 2^-inf = 0 on the first tile
+            const float m_scaled = m_new * scale_log2;
+            float row_sum = 0.f;
+            for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one MUFU.EX2 per element
+                S_acc[4 * nb + 2 * r] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r], scale_log2, -m_scaled));
+                S_acc[4 * nb + 2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r + 1], scale_log2, -m_scaled));
+                row_sum += S_acc[4 * nb + 2 * r] + S_acc[4 * nb + 2 * r + 1];
+            }
+            l_i[r] = alpha * l_i[r] + row_sum;  // no shuffle: the quad's parts are added once, at the end
+            m_i[r] = m_new;
+            for (int db = 0; db < O_BLOCKS; ++db) {
+                O_acc[4 * db + 2 * r] *= alpha;
+                O_acc[4 * db + 2 * r + 1] *= alpha;
+            }
+        }
+
+        // Step 5: O += P V: 8 wgmma, one per 16 keys, with P's A fragments in registers (two neighbouring
+        // 8-key blocks of S, rounded to bf16, as in the mma.sync steps) and V read N-major from shared
+        // memory: LBO = the distance between V's two 64-dim halves, SBO = one 8-key atom.
+        uint32_t P_frag[PV_STEPS][4];
+        for (int kk = 0; kk < PV_STEPS; ++kk) {
+            P_frag[kk][0] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 0], S_acc[8 * kk + 1]);  // row g,   keys +2t
+            P_frag[kk][1] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 2], S_acc[8 * kk + 3]);  // row g+8, keys +2t
+            P_frag[kk][2] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 4], S_acc[8 * kk + 5]);  // row g,   keys +8+2t
+            P_frag[kk][3] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 6], S_acc[8 * kk + 7]);  // row g+8, keys +8+2t
+        }
+        mbarrier_wait_parity(&smem.V_full[stage], parity);
+        wgmma_fence();  // O_acc (rescaled) and P_frag were written by ordinary instructions just now
+        for (int kk = 0; kk < PV_STEPS; ++kk)
+            wgmma_m64n128k16_rs(O_acc, P_frag[kk], wgmma_desc(V_tile + kk * 2 * ATOM_BYTES, KV_HALF_BYTES, ATOM_BYTES), 1);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();          // O is complete and V's slot is no longer read...
+        wgmma_fence_operands(O_acc);
+        if (lane == 0) mbarrier_arrive(&smem.V_empty[stage]);  // this warp is done with the V tile
+    }
+
+    // Step 6: the row sums' quad parts added up, the final normalization, once per row, and the log-sum-exp.
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(l_i[r]);
+        const float inv_l = 1.f / l;
+        const int64_t q_row = int64_t(q_tile) * BLOCK_M + warp * 16 + quad_row + 8 * r;  // consumer warp w: rows 16w..
+        __nv_bfloat16* O_gmem = row_ptr(static_cast<__nv_bfloat16*>(p.o), p.o_stride, batch, head, q_row);
+        for (int db = 0; db < O_BLOCKS; ++db)
+            *reinterpret_cast<__nv_bfloat162*>(O_gmem + db * 8 + 2 * quad_col) =
+                __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
+        if (quad_col == 0)
+            p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
+    }
+}
+
+// The kernel: set up the barriers, then split by warpgroup into the two roles. The tensor maps are
+// kernel parameters (__grid_constant__): the TMA unit reads them from parameter memory. One block per SM;
+// the (threads, 1) launch bound caps registers at kernel entry (168), which setmaxnreg then redistributes.
+__global__ void __launch_bounds__(NUM_THREADS, 1)
+    attention_fwd_kernel(const FwdParams p, const __grid_constant__ CUtensorMap Q_map,
+                         const __grid_constant__ CUtensorMap K_map, const __grid_constant__ CUtensorMap V_map) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+    // Step 1: one thread initializes the barriers: a full barrier completes on its producer's expect_tx
+    // plus the TMA bytes (1 arrival), an empty barrier on one arrival from every consumer warp.
+    if (threadIdx.x == 0) {
+        mbarrier_init(&smem.Q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&smem.K_full[s], 1), mbarrier_init(&smem.V_full[s], 1);
+            mbarrier_init(&smem.K_empty[s], CONSUMER_WARPS), mbarrier_init(&smem.V_empty[s], CONSUMER_WARPS);
+        }
+        fence_mbarrier_init();  // the inits are visible to the TMA unit before the first copy completes on them
+    }
+    __syncthreads();  // no thread waits on a barrier before it is initialized; the last block-wide barrier
+
+    // Step 2: the roles. Each setmaxnreg is executed by a whole warpgroup.
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) producer_load(smem, p, Q_map, K_map, V_map);  // the other 127 threads are done
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        consumer_mma(smem, p, warpgroup - 1);
+    }
+}
+
+}  // namespace
+
+// ---- host launcher: grid, block, shared memory, attributes ----
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return BLOCK_M; }  // one block per BLOCK_M query rows
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return BLOCK_N; }  // whole K/V tiles only
+
+FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t stream) {
+    // 160 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
+    const cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
+    if (err != cudaSuccess) return err;
+    // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
+    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    const FwdParams& p = *params;
+    CUtensorMap Q_map, K_map, V_map;
+    if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||
+        encode_tile_map(&K_map, p.k, p.k_stride, p.seqlen_k, p.heads, p.batch, BLOCK_N) != CUDA_SUCCESS ||
+        encode_tile_map(&V_map, p.v, p.v_stride, p.seqlen_k, p.heads, p.batch, BLOCK_N) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;  // a layout the TMA unit cannot describe (the binding's checks should prevent it)
+    const dim3 grid(p.seqlen_q / BLOCK_M, p.heads, p.batch);
+    attention_fwd_kernel<<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(p, Q_map, K_map, V_map);
+    return cudaGetLastError();
+}
