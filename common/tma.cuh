@@ -32,6 +32,32 @@ __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// The other direction: copy a box from shared memory at `src` to the coordinates of `map` in global memory.
+// Tracked by bulk groups of the issuing thread (no mbarrier). PTX ISA: "cp.async.bulk.tensor".
+__device__ __forceinline__ void cp_async_bulk_tensor_4d_shared_to_global(const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                                                          const void* src) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+                 :: "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(src))
+                 : "memory");
+}
+// Close the bulk copies issued so far by this thread into a group. PTX ISA: "cp.async.bulk.commit_group".
+__device__ __forceinline__ void cp_async_bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's bulk groups still READ their shared-memory source (after which the
+// source may be overwritten; the global writes may still be in flight). PTX ISA: "cp.async.bulk.wait_group".
+template <int N>
+__device__ __forceinline__ void cp_async_bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+// ... until at most N groups are still in flight at all.
+template <int N>
+__device__ __forceinline__ void cp_async_bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}
+// Make this thread's ordinary shared-memory writes visible to the async proxy (the TMA unit) before a bulk
+// copy reads them. PTX ISA: "Parallel Synchronization and Communication Instructions: membar/fence"
+// (fence.proxy.async).
+__device__ __forceinline__ void fence_proxy_async_shared_cta() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // ---- host side ----
 
 // The tensor map of one of the four [batch, heads, seqlen, HEAD_DIM] bf16 tensors (strides in elements, as
