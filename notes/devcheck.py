@@ -5,7 +5,14 @@ compute-sanitizer. Kept for the record; python -m verify is the main job. Usage 
 machine, with this file copied to .scratch/devcheck.py and common/binding.py to .scratch/binding_head.py):
     python .scratch/devcheck.py 06 07 08        |   ... sanitize 08,09   |   DEVCHECK_BENCH=1024,4096 ...
 """
-import ctypes, json, math, os, shutil, subprocess, sys, time
+import ctypes
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +68,9 @@ def one(step):
     b, h, n = 2, 4, 512
     qs, ks, vs = (rnd(b, n, h, 128).transpose(1, 2) for _ in range(3))
     cases.append(("strided bnhd", qs, ks, vs))
-    q1 = rnd(2, 4, 256, 128); kb = rnd(2, 1, 512, 128).expand(-1, 4, -1, -1); vb = rnd(2, 1, 512, 128).expand(-1, 4, -1, -1)
+    q1 = rnd(2, 4, 256, 128)
+    kb = rnd(2, 1, 512, 128).expand(-1, 4, -1, -1)
+    vb = rnd(2, 1, 512, 128).expand(-1, 4, -1, -1)
     cases.append(("kv broadcast heads", q1, kb, vb))
     cases.append(("V mean 100", rnd(1, 2, 512, 128), rnd(1, 2, 1024, 128), rnd(1, 2, 1024, 128, mean=100.0)))
     # row max growing along keys: k_j = j-dependent multiple of a common direction
@@ -87,11 +96,13 @@ def one(step):
         ok = nonfinite == 0 and rel < 1e-2 and le < 1e-3 * max(1, float(lse_ref.abs().max()) / 100) and same
         ok_all &= ok
         results.append(dict(case=name, ok=ok, rel=rel, maxabs=mx, lse=le, nonfinite=nonfinite, repeat_equal=same))
-        print(f"  step{step} {name:<28} {'ok ' if ok else 'BAD'} rel {rel:.2e} maxabs {mx:.2e} lse {le:.2e} nonfinite {nonfinite} repeat {same}", flush=True)
+        print(f"  step{step} {name:<28} {'ok ' if ok else 'BAD'} rel {rel:.2e} maxabs {mx:.2e} lse {le:.2e} "
+              f"nonfinite {nonfinite} repeat {same}", flush=True)
     # host cost per call (launch + tensor-map encoding), tiny shape, no sync in between
     lib = ctypes.CDLL(mod.info["library"])
     q, k, v = rnd(1, 1, bm, 128), rnd(1, 1, bn, 128), rnd(1, 1, bn, 128)
-    o = torch.empty_like(q); lse = torch.empty(q.shape[:3], device="cuda")
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda")
     B = mod._binding
     prm = B.FwdParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                       (ctypes.c_int64 * 3)(*q.stride()[:3]), (ctypes.c_int64 * 3)(*k.stride()[:3]),
@@ -134,7 +145,10 @@ def bench(steps, seqlens):
                 torch.cuda.synchronize()
             ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(40)]
             for s, e in ev:
-                flush.zero_(); s.record(); fn(); e.record()
+                flush.zero_()
+                s.record()
+                fn()
+                e.record()
             torch.cuda.synchronize()
             ms = sorted(s.elapsed_time(e) for s, e in ev)[len(ev) // 2]
             tf = 4 * b * 16 * n * n * 128 / (ms * 1e-3) / 1e12
@@ -149,7 +163,8 @@ def bench(steps, seqlens):
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args and args[0] == "one":
-        one(args[1]); sys.exit(0)
+        one(args[1])
+        sys.exit(0)
     if args and args[0] == "small":  # one small call, for compute-sanitizer
         import torch
         sys.path.insert(0, str(PKGS))
@@ -174,7 +189,8 @@ if __name__ == "__main__":
                     print(f"step{s} {tool}: TIMED OUT", flush=True)
         sys.exit(0)
     if args and args[0] == "bench":
-        bench(args[1].split(","), [int(x) for x in args[2].split(",")]); sys.exit(0)
+        bench(args[1].split(","), [int(x) for x in args[2].split(",")])
+        sys.exit(0)
     steps = args or ["06", "07", "08", "09", "10"]
     OUT.mkdir(parents=True, exist_ok=True)
     for s in steps:
@@ -192,5 +208,6 @@ if __name__ == "__main__":
             print(f"step{s}: TIMED OUT after 90 s (hang?)\n", (e.stdout or b"")[-3000:], flush=True)
     print("passed:", passed, flush=True)
     if passed:
-        r = subprocess.run([sys.executable, __file__, "bench", ",".join(passed), os.environ["DEVCHECK_BENCH"]], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([sys.executable, __file__, "bench", ",".join(passed), os.environ["DEVCHECK_BENCH"]],
+                           capture_output=True, text=True, timeout=300)
         print(r.stdout, r.stderr[-3000:], flush=True)
