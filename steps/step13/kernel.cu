@@ -20,10 +20,10 @@ constexpr int PV_STEPS = BLOCK_N / 16;                // k-steps of O += P V ove
 constexpr int STAGES = 2;                             // K/V ring slots: compute one while the other fills
 // FlashAttention-4's softmax. RESCALE_THRESHOLD: the running max (the shift of the exponentials) moves only
 // when a row's new max exceeds it by more than this, in log2 units; P stays <= 2^8 in between.
-// EMULATED_EVERY: every EMULATED_EVERY-th 8-key block of S takes its exponentials on the FMA pipe
-// (exp2_poly3), the rest on MUFU; 16 = one in sixteen (the sweep in the header: more loses).
+// FMA_EXP2_BLOCKS: how many of the S_BLOCKS 8-key blocks of a row take their exponentials on the FMA pipe
+// (exp2_poly3) instead of MUFU. Tuned by measurement: 0 on the H200 (step13's header has the sweep).
 constexpr float RESCALE_THRESHOLD = 8.f;
-constexpr int EMULATED_EVERY = 16;
+constexpr int FMA_EXP2_BLOCKS = 0;
 // setmaxnreg budgets (per thread): the producer issues TMA copies and needs few; the consumers hold S, P and
 // O. 128 x 24 + 2 x 128 x 240 = 64512 of the SM's 65536 registers.
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
@@ -157,7 +157,7 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consum
             for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one exponential per element
                 const float x0 = fmaf(S[4 * nb + 2 * r], scale_log2, -m_scaled);
                 const float x1 = fmaf(S[4 * nb + 2 * r + 1], scale_log2, -m_scaled);
-                const bool on_fma = nb % EMULATED_EVERY == EMULATED_EVERY - 1;  // a compile-time choice per block
+                const bool on_fma = nb < FMA_EXP2_BLOCKS;  // a compile-time choice per block
                 S[4 * nb + 2 * r] = on_fma ? exp2_poly3(x0) : ex2_approx_ftz(x0);
                 S[4 * nb + 2 * r + 1] = on_fma ? exp2_poly3(x1) : ex2_approx_ftz(x1);
                 row_sum += S[4 * nb + 2 * r] + S[4 * nb + 2 * r + 1];
