@@ -8,10 +8,15 @@ with every torch version (no `undefined symbol` after a torch upgrade).
 The call is a real torch op (torch.library.custom_op + register_fake): it works under
 torch.compile(fullgraph=True) and inside CUDA-graph capture; it launches on the current stream and never
 synchronizes. Bad input raises ValueError/TypeError/RuntimeError before any launch; a failed launch raises.
+Each check runs once per call: the Python wrapper checks only the argument types (the op's schema would
+turn True into 1.0), the op checks everything else, so torch.ops.flashladder.<step> called directly is
+checked the same way (its fake implementation too, so torch.compile reports bad input while tracing).
 """
 import ctypes
 import functools
 import math
+import numbers
+import struct
 import sys
 from pathlib import Path
 from typing import Optional
@@ -22,6 +27,7 @@ HEAD_DIM = 128
 ABI_VERSION = 2      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
 MAX_GRID_YZ = 65535  # heads and batch are the grid's y and z dimensions
 MAX_ROW_STRIDE = 2**24  # in-tile offsets (row < 128) * row stride stay below 2^31
+ALIGN = {"q": 16, "k": 16, "v": 16, "o": 16, "lse": 4}  # bytes: 16-byte vector copies of rows; lse is per float
 
 
 class FwdParams(ctypes.Structure):
@@ -57,17 +63,55 @@ def _load_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None) -> None:
+def kernel_strides(t: torch.Tensor) -> tuple:
+    """The batch, head and row strides the kernel gets. A dimension of size <= 1 is never stepped over, so its
+    stride means nothing (torch keeps odd ones, e.g. 1 for a batch of 1 after a transpose); it becomes the
+    contiguous stride, a multiple of 8 elements, which later steps' TMA tensor maps need (16-byte strides)."""
+    contiguous = (t.shape[1] * t.shape[2] * HEAD_DIM, t.shape[2] * HEAD_DIM, HEAD_DIM)
+    return tuple(s if n > 1 else c for n, s, c in zip(t.shape[:3], t.stride()[:3], contiguous))
+
+
+def check_types(step: str, scale, **tensors) -> float:
+    """What the op's schema cannot say clearly: the arguments' Python types (the schema turns True into 1.0).
+    Returns the scale as a float, None -> 1/sqrt(128); its value is the op's to check (check_scale)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flashladder.{step}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if scale is None:
+        return 1.0 / math.sqrt(HEAD_DIM)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"flashladder.{step}: scale must be a finite positive float, got {scale!r}")
+    try:
+        return float(scale)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"flashladder.{step}: scale {scale!r} overflows float32 (the kernels take a float32 scale)") from None
+
+
+def check_scale(step: str, scale: float) -> None:
+    """Positive (the kernels take the running max on the raw scores: max(s*scale) = max(s)*scale) and finite
+    and non-zero once rounded to float32, the kernels' type for it (1e39 would become inf, 1e-50 zero)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"flashladder.{step}: scale must be a finite positive float, got {scale!r}")
+    try:
+        scale32 = struct.unpack("f", struct.pack("f", scale))[0]
+    except OverflowError:  # older Pythons raise where newer ones round to inf
+        scale32 = math.inf
+    if math.isinf(scale32):
+        raise ValueError(f"flashladder.{step}: scale {scale!r} overflows float32 (the kernels take a float32 scale)")
+    if scale32 == 0:
+        raise ValueError(f"flashladder.{step}: scale {scale!r} rounds to 0 in float32 (the kernels take a float32 scale)")
+
+
+def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, devices=("cuda",)) -> None:
     """Everything about the tensors' metadata that the kernel relies on. Raises, naming the problem.
 
-    Works on fake tensors too (torch.compile traces it); pointer alignment and the GPU's architecture
-    are checked at launch (check_launch).
+    Works on fake tensors too (torch.compile traces it; `devices` then also admits meta tensors); pointer
+    alignment, overlaps and the GPU's architecture are checked at launch (check_launch). Empty inputs (batch,
+    heads or a seqlen of 0) pass: the op returns without a launch.
     """
     where = f"flashladder.{step}"
     named = {"q": q, "k": k, "v": v}
     for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{where}: {name} must be 4-D [batch, heads, seqlen, {HEAD_DIM}], got shape {tuple(t.shape)}")
         if t.dtype != torch.bfloat16:
@@ -78,9 +122,6 @@ def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None) -
         raise ValueError(f"{where}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[:2] != k.shape[:2]:
         raise ValueError(f"{where}: q and k/v must agree on [batch, heads], got {tuple(q.shape)} and {tuple(k.shape)}")
-    for name, t in named.items():
-        if t.numel() == 0:
-            raise ValueError(f"{where}: {name} is empty (shape {tuple(t.shape)})")
     batch, heads, seqlen_q, seqlen_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     for name, n, mult in (("q", seqlen_q, seqlen_multiple[0]), ("k/v", seqlen_k, seqlen_multiple[1])):
         if n % mult != 0:
@@ -89,40 +130,33 @@ def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None) -
         raise ValueError(f"{where}: q {tuple(q.shape)} / k {tuple(k.shape)} too large: batch, heads <= {MAX_GRID_YZ}, "
                          "batch*heads*seqlen_q < 2^31, seqlen_k < 2^31")
     for name, t in named.items():
-        if t.stride(2) >= MAX_ROW_STRIDE:
-            raise ValueError(f"{where}: {name} has row stride {t.stride(2)}; the kernels address inside a tile with "
+        strides = kernel_strides(t)
+        if strides[2] >= MAX_ROW_STRIDE:
+            raise ValueError(f"{where}: {name} has row stride {strides[2]}; the kernels address inside a tile with "
                              f"32-bit offsets and need it below {MAX_ROW_STRIDE}; call .contiguous() first")
-        if t.stride(-1) != 1 or any(s % 8 != 0 for s in t.stride()[:3]):
+        if t.stride(-1) != 1 or any(s % 8 != 0 for s in strides):
             raise ValueError(f"{where}: {name} has strides {t.stride()}: the last dim must be contiguous (stride 1) "
                              "and the other strides multiples of 8 elements (16 bytes); call .contiguous() first")
-    if (o is None) != (lse is None):
-        raise ValueError(f"{where}: pass both o and lse, or neither")
+    tensors = dict(named)
     if o is not None:
         if o.shape != q.shape or o.dtype != torch.bfloat16 or not o.is_contiguous():
             raise ValueError(f"{where}: o must be a contiguous bf16 tensor of q's shape {tuple(q.shape)}, "
                              f"got {o.dtype} {tuple(o.shape)} strides {o.stride()}")
         if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous():
             raise ValueError(f"{where}: lse must be a contiguous float32 tensor of shape {tuple(q.shape[:3])}, "
-                             f"got {lse.dtype} {tuple(lse.shape)}")
-    tensors = {**named, **({"o": o, "lse": lse} if o is not None else {})}
+                             f"got {lse.dtype} {tuple(lse.shape)} strides {lse.stride()}")
+        tensors.update(o=o, lse=lse)
     for name, t in tensors.items():
-        if t.device.type != "cuda":
+        if t.device.type not in devices:
             raise ValueError(f"{where}: {name} is on {t.device}; flashladder runs on a CUDA device (an sm_90 GPU)")
         if t.device != q.device:
             raise ValueError(f"{where}: all tensors must be on one device: q is on {q.device}, {name} on {t.device}")
 
 
-def check_scale(step: str, scale) -> float:
-    """None -> 1/sqrt(128). Positive: the kernels take the running max on the raw scores, max(s*scale) = max(s)*scale."""
-    if scale is None:
-        return 1.0 / math.sqrt(HEAD_DIM)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"flashladder.{step}: scale must be a finite positive float, got {scale!r}")
-    return float(scale)
-
-
 def _span(t: torch.Tensor) -> tuple:
-    """[first, last) bytes of memory a strided tensor can touch."""
+    """[first, last) bytes of memory a strided tensor can touch (empty for an empty tensor)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
     return t.data_ptr(), t.data_ptr() + last * t.element_size()
 
@@ -133,6 +167,16 @@ def _device_arch(index: int) -> tuple:
     return (props.major, props.minor), props.name
 
 
+def check_outputs_apart(step: str, tensors: dict) -> None:
+    """The outputs may not share memory with an input or with each other (the kernel would read what it wrote)."""
+    for out in ("o", "lse"):
+        lo, hi = _span(tensors[out])
+        for name in ("q", "k", "v", *(["o"] if out == "lse" else [])):
+            a, b = _span(tensors[name])
+            if lo < b and a < hi:
+                raise ValueError(f"flashladder.{step}: {out} overlaps {name} in memory; outputs need buffers of their own")
+
+
 def check_launch(step: str, tensors: dict) -> None:
     """What only real tensors on a real GPU can tell: the architecture and the pointers' alignment."""
     q = tensors["q"]
@@ -140,16 +184,19 @@ def check_launch(step: str, tensors: dict) -> None:
     if (major, minor) != (9, 0):
         raise RuntimeError(f"flashladder.{step}: needs an sm_90 GPU (H100/H200; the kernels are built for sm_90a), "
                            f"but {q.device} is {name} (sm_{major}{minor})")
-    for out in ("o", "lse"):
-        lo, hi = _span(tensors[out])
-        for name in ("q", "k", "v", *(["o"] if out == "lse" else [])):
-            a, b = _span(tensors[name])
-            if lo < b and a < hi:
-                raise ValueError(f"flashladder.{step}: {out} overlaps {name} in memory; outputs need buffers of their own")
     for tname, t in tensors.items():
-        if t.data_ptr() % 16 != 0:
-            raise ValueError(f"flashladder.{step}: {tname}'s data pointer is not 16-byte aligned "
+        if t.data_ptr() % ALIGN[tname] != 0:
+            raise ValueError(f"flashladder.{step}: {tname}'s data pointer is not {ALIGN[tname]}-byte aligned "
                              "(a view at an odd offset?); call .contiguous() first")
+
+
+def make_params(q, k, v, o, lse, scale: float) -> FwdParams:
+    """FwdParams for one launch; strides as the checks saw them (kernel_strides)."""
+    def strides(t):
+        return (ctypes.c_int64 * 3)(*kernel_strides(t))
+    return FwdParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                     strides(q), strides(k), strides(v), strides(o),
+                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale)
 
 
 def bind_step(module_name: str):
@@ -159,13 +206,16 @@ def bind_step(module_name: str):
     seqlen_multiple = (lib.flashladder_seqlen_multiple_q(), lib.flashladder_seqlen_multiple_k())  # (q, k/v)
 
     def launch(q, k, v, o, lse, scale: float) -> None:
+        if q.numel() == 0:  # batch, heads or seqlen_q is 0: nothing to compute (as SDPA: empty outputs)
+            return
         tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
+        check_outputs_apart(step, tensors)
+        if k.shape[2] == 0:  # no key at all: verify/reference.py's convention for a row with no key
+            o.zero_()
+            lse.fill_(-math.inf)
+            return
         check_launch(step, tensors)
-        params = FwdParams(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-            (ctypes.c_int64 * 3)(*q.stride()[:3]), (ctypes.c_int64 * 3)(*k.stride()[:3]),
-            (ctypes.c_int64 * 3)(*v.stride()[:3]), (ctypes.c_int64 * 3)(*o.stride()[:3]),
-            q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale)
+        params = make_params(q, k, v, o, lse, scale)
         with torch.cuda.device(q.device):
             stream = torch.cuda.current_stream(q.device).cuda_stream
             err = lib.flashladder_fwd(ctypes.byref(params), ctypes.c_void_p(stream))
@@ -173,9 +223,11 @@ def bind_step(module_name: str):
             raise RuntimeError(f"flashladder.{step}: kernel launch failed: {lib.flashladder_error_string(err).decode()} "
                                f"(cudaError {err})")
 
-    @torch.library.custom_op(f"flashladder::{step}", mutates_args=(), device_types="cuda")
+    # No device_types: the op takes tensors on any device, so that a CPU tensor meets check_inputs' clear
+    # message instead of the dispatcher's "could not run ... with arguments from the 'CPU' backend".
+    @torch.library.custom_op(f"flashladder::{step}", mutates_args=())
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = check_scale(step, scale)  # the op can be called directly (torch.ops.flashladder.<step>)
+        check_scale(step, scale)
         check_inputs(step, seqlen_multiple, q, k, v)
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -184,18 +236,20 @@ def bind_step(module_name: str):
 
     @fwd.register_fake
     def _(q, k, v, scale):
+        check_scale(step, scale)
+        check_inputs(step, seqlen_multiple, q, k, v, devices=("cuda", "meta"))
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
-    @torch.library.custom_op(f"flashladder::{step}_out", mutates_args=("o", "lse"), device_types="cuda")
+    @torch.library.custom_op(f"flashladder::{step}_out", mutates_args=("o", "lse"))
     def fwd_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
-        scale = check_scale(step, scale)
+        check_scale(step, scale)
         check_inputs(step, seqlen_multiple, q, k, v, o, lse)
         launch(q, k, v, o, lse, scale)
 
     @fwd_out.register_fake
     def _(q, k, v, o, lse, scale):
-        return None
-
+        check_scale(step, scale)
+        check_inputs(step, seqlen_multiple, q, k, v, o, lse, devices=("cuda", "meta"))
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None):
         """O = softmax(q k^T * scale) v and LSE = logsumexp(q k^T * scale) (natural log).
@@ -203,16 +257,14 @@ def bind_step(module_name: str):
         q: bf16 [batch, heads, seqlen_q, 128]; k, v: bf16 [batch, heads, seqlen_k, 128], on one sm_90 GPU.
         Returns (o: bf16 [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]).
         scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
+        Empty inputs (batch, heads or seqlen_q of 0) give empty outputs without a launch; with seqlen_k = 0
+        every row has no key: o = 0 and lse = -inf (what softmax over nothing tends to; no launch either).
         """
-        scale = check_scale(step, scale)
-        check_inputs(step, seqlen_multiple, q, k, v)
-        return fwd(q, k, v, scale)
+        return fwd(q, k, v, check_types(step, scale, q=q, k=k, v=v))
 
     def attention_out(q, k, v, o, lse, scale: Optional[float] = None) -> None:
         """attention(), writing into caller-provided contiguous o (bf16) and lse (float32)."""
-        scale = check_scale(step, scale)
-        check_inputs(step, seqlen_multiple, q, k, v, o, lse)
-        fwd_out(q, k, v, o, lse, scale)
+        fwd_out(q, k, v, o, lse, check_types(step, scale, q=q, k=k, v=v, o=o, lse=lse))
 
     attention.__module__ = attention_out.__module__ = module_name
     info = {"step": step, "seqlen_multiple_q": seqlen_multiple[0], "seqlen_multiple_k": seqlen_multiple[1],

@@ -4,7 +4,6 @@ Deliberately naive (materialises the full score matrix) so that it is obviously
 right. Everything the kernels and verify/model.py produce is compared to this.
 """
 import numpy as np
-from scipy.special import logsumexp, softmax
 
 
 def attention_reference(q, k, v, scale=None, mask=None):
@@ -17,8 +16,8 @@ def attention_reference(q, k, v, scale=None, mask=None):
     Returns (o [..., Nq, Dv], lse [..., Nq]), both float64, where
     lse = log(sum_j exp(S_ij)) is the natural-log logsumexp of the scores.
 
-    Convention for a row whose scores are all -inf (every key masked):
-    o = 0 and lse = -inf (softmax would be 0/0). Scores must not be +inf/nan.
+    Convention for a row whose scores are all -inf (every key masked, or no key
+    at all): o = 0 and lse = -inf (softmax would be 0/0). Scores must not be +inf/nan.
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     if scale is None:
@@ -26,8 +25,11 @@ def attention_reference(q, k, v, scale=None, mask=None):
     s = (q @ np.swapaxes(k, -1, -2)) * scale
     if mask is not None:
         s = s + np.asarray(mask, dtype=np.float64)
-    lse = logsumexp(s, axis=-1)
-    dead = np.isneginf(lse)  # rows with no unmasked key
-    p = softmax(np.where(dead[..., None], 0.0, s), axis=-1)  # dummy row for dead rows...
-    o = np.where(dead[..., None], 0.0, p @ v)                # ...then zeroed
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # row max: exp(s - m) <= 1 cannot overflow
+    dead = np.isneginf(m)                                 # rows with no unmasked key
+    e = np.exp(s - np.where(dead, 0.0, m))                # (a dead row: exp(-inf) = 0 everywhere)
+    row_sum = e.sum(axis=-1, keepdims=True)               # >= 1 for a live row: its max gives exp(0)
+    with np.errstate(divide="ignore", invalid="ignore"):  # log(0) and 0/0 of dead rows, replaced here:
+        lse = np.where(dead, -np.inf, m + np.log(row_sum))[..., 0]
+        o = np.where(dead, 0.0, (e @ v) / row_sum)
     return o, lse

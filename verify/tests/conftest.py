@@ -10,6 +10,14 @@ def selected_steps():
     return steps_mod.select(os.environ.get("FLASHLADDER_STEPS"))
 
 
+def pytest_report_header(config):
+    try:
+        from verify.checks import run_seed
+    except ImportError:  # no torch: no random inputs either
+        return None
+    return f"flashladder: random inputs from FLASHLADDER_SEED={run_seed()} (set it to replay this run)"
+
+
 def pytest_generate_tests(metafunc):
     if "step" in metafunc.fixturenames:
         metafunc.parametrize("step", selected_steps())

@@ -1,12 +1,36 @@
-"""CPU: the GPU checks' verdicts (verify/checks.py) fail when they must: NaN, unwritten output, too large errors."""
-import math
+"""CPU: the checks' verdicts (verify/checks.py) fail where they must and pass what is right.
 
+* Errors.failures on synthetic numbers: NaN, unwritten output, each bound;
+* one corrupted row of one head (or one LSE entry) of a correct output is rejected, at x1 and x10; the
+  correct output here is the float64 reference rounded to bf16/fp32, the yardstick runs on the CPU
+  (test_steps_gpu.py does the same with every step's real output);
+* a kernel-like computation in the kernels' precision class passes, so the bounds are not tighter than the class;
+* the adversarial inputs have the property each is built for.
+"""
+import math
+import os
+
+import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-from verify.checks import ATOL, LSE_ABS, O_REL_FROB, Errors  # noqa: E402
+torch = pytest.importorskip("torch")
+from verify import checks  # noqa: E402
+from verify.checks import (  # noqa: E402
+    ADVERSARIAL,
+    CORRUPTIONS,
+    O_ATOL,
+    O_REL_FROB,
+    Errors,
+    adversarial_inputs,
+    corrupted,
+    errors_of,
+    make_inputs,
+    prepare,
+    replay,
+)
 
-GOOD = dict(o_rel_frob=2e-3, o_max_abs=1e-2, o_max_abs_naive=1e-2, lse_max_abs=1e-5, nonfinite_o=0, nonfinite_lse=0)
+GOOD = dict(o_rel_frob=2e-3, o_max_abs=1e-2, o_max_abs_yardstick=1e-2, lse_max_abs=1e-5, lse_max_abs_yardstick=1e-5,
+            lse_max_abs_ref=10.0, nonfinite_o=0, nonfinite_lse=0)
 
 
 def test_good_errors_pass():
@@ -16,13 +40,128 @@ def test_good_errors_pass():
 @pytest.mark.parametrize("field,value,match", [
     ("o_rel_frob", 2 * O_REL_FROB, "relative Frobenius"),
     ("o_rel_frob", math.nan, "relative Frobenius"),
-    ("o_max_abs", 2 * 1e-2 + 2 * ATOL, "max abs"),
-    ("o_max_abs", math.nan, "max abs"),
-    ("lse_max_abs", 2 * LSE_ABS, "LSE"),
-    ("lse_max_abs", math.inf, "LSE"),
+    ("o_max_abs", 2 * Errors(**GOOD).o_limit(), "O max abs"),
+    ("o_max_abs", math.nan, "O max abs"),
+    ("lse_max_abs", 2 * Errors(**GOOD).lse_limit(), "LSE max abs"),
+    ("lse_max_abs", math.inf, "LSE max abs"),
     ("nonfinite_o", 1, "non-finite"),
     ("nonfinite_lse", 3, "non-finite"),
 ])
 def test_bad_errors_fail(field, value, match):
     bad = Errors(**{**GOOD, field: value}).failures()
     assert bad and any(match in b for b in bad), bad
+
+
+def test_limits_follow_the_yardstick():
+    """The bounds scale with the yardstick's error (x10 inputs: x10 errors), not a fixed number."""
+    base = Errors(**GOOD)
+    tenfold = Errors(**{**GOOD, "o_max_abs_yardstick": 10 * GOOD["o_max_abs_yardstick"],
+                        "lse_max_abs_yardstick": 10 * GOOD["lse_max_abs_yardstick"]})
+    assert tenfold.o_limit() > 9 * base.o_limit() and tenfold.lse_limit() > 9 * base.lse_limit()
+    assert Errors(**{**GOOD, "o_max_abs_yardstick": 0.0}).o_limit() == O_ATOL  # the floor
+
+
+def rounded_reference(case):
+    """The float64 reference rounded to the outputs' dtypes: a correct output, as good as it can be."""
+    return torch.from_numpy(case.o_ref).to(torch.bfloat16), torch.from_numpy(case.lse_ref).to(torch.float32)
+
+
+@pytest.fixture(scope="module", params=[1.0, 10.0], ids=["x1", "x10"])
+def cpu_case(request):
+    return prepare(*make_inputs(2, 3, 128, 192, factor=request.param, device="cpu"))
+
+
+def test_correct_output_passes(cpu_case):
+    err = errors_of(cpu_case, *rounded_reference(cpu_case))
+    assert not err.failures(), f"{err.failures()} ({err}); {replay()}"
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_one_corrupted_row_is_rejected(cpu_case, kind):
+    o, lse = rounded_reference(cpu_case)
+    bad = errors_of(cpu_case, *corrupted(kind, cpu_case, o, lse)).failures()
+    assert any(CORRUPTIONS[kind] in b for b in bad), f"{kind} not rejected: {bad}; {replay()}"
+
+
+def tiled_attention_fp32(q, k, v, scale, tile_k):
+    """A kernel in the precision class, on the CPU: online softmax over K tiles in fp32 (running max, alpha
+    rescales), exp2 with the scale folded in, P rounded to bf16 for P.V, l from fp32 P, O = acc / l in bf16."""
+    q, k, v = q.float(), k.float(), v.float()
+    scale_log2 = scale * math.log2(math.e)
+    m = torch.full(q.shape[:-1], -math.inf)
+    l_i, acc = torch.zeros(q.shape[:-1]), torch.zeros(q.shape)
+    for j in range(0, k.shape[-2], tile_k):
+        s = q @ k[..., j:j + tile_k, :].transpose(-1, -2)
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp2((m - m_new) * scale_log2)
+        p = torch.exp2((s - m_new[..., None]) * scale_log2)
+        l_i = alpha * l_i + p.sum(-1)
+        acc = alpha[..., None] * acc + p.to(torch.bfloat16).float() @ v[..., j:j + tile_k, :]
+        m = m_new
+    return (acc / l_i[..., None]).to(torch.bfloat16), m * scale + torch.log(l_i)
+
+
+def test_a_kernel_in_the_class_passes(cpu_case):
+    err = errors_of(cpu_case, *tiled_attention_fp32(cpu_case.q, cpu_case.k, cpu_case.v, cpu_case.scale, 64))
+    assert not err.failures(), f"{err.failures()} ({err}); {replay()}"
+
+
+TILES = [(64, 64), (128, 64), (128, 176)]  # steps 01, 02-07, and a tile that is not a power of two
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_adversarial_inputs(kind, tiles):
+    """Each adversarial case has the property it is built for; the rounded reference and a kernel in the
+    class pass the verdict on it."""
+    tile_q, tile_k = tiles
+    q, k, v = adversarial_inputs(kind, tile_q, tile_k, device="cpu")
+    assert q.shape[2] == 2 * tile_q and k.shape[2] == checks.ADVERSARIAL_K_TILES * tile_k
+    s = (q.double() @ k.double().transpose(-1, -2)).numpy() * checks.DEFAULT_SCALE  # [1, 2, nq, nk]
+    tile_max = s.reshape(*s.shape[:-1], -1, tile_k).max(-1)                          # [1, 2, nq, tiles]
+    if kind == "max_grows_every_tile":
+        assert (np.diff(tile_max, axis=-1) > 0).all()
+    elif kind.startswith("max_in_last_tile_by_"):
+        jump = float(kind.rsplit("_", 1)[1])
+        assert (tile_max[..., -1] - tile_max[..., :-1].max(-1) > jump - 1).all()
+    elif kind.startswith("one_dominant_key_"):
+        j = 0 if kind.endswith("first") else s.shape[-1] - 1
+        others = np.delete(s, j, axis=-1)
+        assert (np.exp(others - s[..., j:j + 1]).sum(-1) < 2**-9).all()  # together invisible next to key j in bf16
+    elif kind == "equal_logits":
+        assert (s.max(-1) == s.min(-1)).all()
+    elif kind == "large_v_mean":
+        assert abs(v.double().mean().item() - 100) < 1 and v.double().std().item() < 2
+    case = prepare(q, k, v)
+    for name, (o, lse) in {"rounded reference": rounded_reference(case),
+                           "tiled fp32 kernel": tiled_attention_fp32(q, k, v, case.scale, tile_k)}.items():
+        err = errors_of(case, o, lse)
+        assert not err.failures(), f"{kind} {tiles}, {name}: {err.failures()} ({err}); {replay()}"
+
+
+def test_run_seed_replays():
+    """FLASHLADDER_SEED fixes every input; without it each run draws a new seed and exports it."""
+    seed = checks.run_seed()
+    assert replay() == f"replay: FLASHLADDER_SEED={seed}"
+    a = make_inputs(1, 1, 8, 8, device="cpu")
+    b = make_inputs(1, 1, 8, 8, device="cpu", seed=seed)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    c = make_inputs(1, 1, 8, 8, device="cpu", seed=seed + 1)
+    assert not torch.equal(a[0], c[0])
+    assert os.environ["FLASHLADDER_SEED"] == str(seed)
+
+
+def test_reference_cache_round_trip(tmp_path, monkeypatch):
+    """The on-disk reference (shared by the steps of a run) is the reference; other seeds' files are dropped."""
+    monkeypatch.setattr(checks, "CACHE_DIR", tmp_path)
+    stale = tmp_path / f"{checks.run_seed() + 1}-abc.npz"
+    stale.write_bytes(b"")
+    q, k, v = make_inputs(1, 2, 64, 64, device="cpu")
+    fresh = prepare(q, k, v)
+    first = prepare(q, k, v, cache_key=("test", 1))
+    monkeypatch.setattr(checks, "attention_reference", None)  # the second must come from the file
+    again = prepare(q, k, v, cache_key=("test", 1))
+    for case in (first, again):
+        assert np.array_equal(case.o_ref, fresh.o_ref) and np.array_equal(case.lse_ref, fresh.lse_ref)
+    files = list(tmp_path.glob("*.npz"))
+    assert len(files) == 1 and files[0].name.startswith(f"{checks.run_seed()}-") and not stale.exists()

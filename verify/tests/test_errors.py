@@ -1,8 +1,11 @@
-"""Bad input raises a clear Python exception naming the problem, before any launch.
+"""Bad input raises a clear Python exception naming the problem, before any launch: every check of the binding
+(common/binding.py) is reached by a test here.
 
-The metadata checks run on CPU tensors too (so CI without a GPU tests them); the device checks need a GPU.
+The metadata checks run on CPU tensors too (so CI without a GPU tests them), and on meta tensors (no memory
+behind them) for sizes no GPU could hold; the device, alignment and overlap checks need a GPU.
 """
 import ctypes
+import math
 from pathlib import Path
 
 import pytest
@@ -12,10 +15,22 @@ torch = pytest.importorskip("torch")
 from verify.tests.conftest import has_cuda_gpu, needs_gpu  # noqa: E402
 
 DEV = "cuda" if has_cuda_gpu() else "cpu"  # metadata errors come before the device check
+BF16 = torch.bfloat16
 
 
-def qkv(b=1, h=2, n=256, d=128, dtype=torch.bfloat16, device=DEV):
+def seqlen(mod):
+    """The shortest seqlen this step takes for both q and k/v."""
+    return math.lcm(mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"])
+
+
+def qkv(mod, b=1, h=2, n=None, d=128, dtype=BF16, device=DEV):
+    n = seqlen(mod) if n is None else n
     return [torch.randn(b, h, n, d, device=device).to(dtype) for _ in range(3)]
+
+
+def meta(shape, strides=None):
+    """A bf16 tensor with no memory behind it: any size, any strides."""
+    return torch.empty_strided(shape, strides or torch.empty(shape, device="meta").stride(), dtype=BF16, device="meta")
 
 
 def expect(mod, match, q, k, v, exc=(ValueError, TypeError), **kw):
@@ -23,84 +38,157 @@ def expect(mod, match, q, k, v, exc=(ValueError, TypeError), **kw):
         mod.attention(q, k, v, **kw)
 
 
+def expect_out(mod, match, q, k, v, o, lse, exc=ValueError):
+    with pytest.raises(exc, match=match):
+        mod.attention_out(q, k, v, o, lse)
+
+
 def test_dtype(mod):
-    q, k, v = qkv(dtype=torch.float16)
-    expect(mod, "dtype torch.float16.*bfloat16", q, k, v)
-    q, k, v = qkv()
-    expect(mod, "v has dtype torch.float32", q, k, v.float())
+    q, k, v = qkv(mod, dtype=torch.float16)
+    expect(mod, "dtype torch.float16.*bfloat16", q, k, v, exc=TypeError)
+    q, k, v = qkv(mod)
+    expect(mod, "v has dtype torch.float32", q, k, v.float(), exc=TypeError)
 
 
 def test_head_dim(mod):
-    expect(mod, "head dim must be 128", *qkv(d=64))
+    expect(mod, "head dim must be 128", *qkv(mod, d=64))
 
 
 def test_rank(mod):
-    q, k, v = qkv()
+    q, k, v = qkv(mod)
     expect(mod, "must be 4-D", q[0], k, v)
 
 
 def test_not_a_tensor(mod):
-    q, k, v = qkv()
-    expect(mod, "must be a torch.Tensor", q, k.tolist(), v)
+    q, k, v = qkv(mod)
+    expect(mod, "k must be a torch.Tensor, got list", q, k.tolist(), v, exc=TypeError)
+    with pytest.raises(TypeError, match="lse must be a torch.Tensor, got NoneType"):
+        mod.attention_out(q, k, v, torch.empty_like(q), None)
 
 
 def test_shape_mismatch(mod):
-    q, k, v = qkv()
-    expect(mod, "k and v must have the same shape", q, k, v[:, :, :128])
+    q, k, v = qkv(mod)
+    expect(mod, "k and v must have the same shape", q, k, v[:, :1])
     expect(mod, "agree on \\[batch, heads\\]", q, k[:, :1], v[:, :1])
 
 
-def test_empty(mod):
-    expect(mod, "is empty", *qkv(b=0))
-
-
 def test_seqlen_multiple(mod):
-    mult = max(mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"])
-    expect(mod, f"seqlen {mult + 1} is not supported: this step needs a multiple of", *qkv(n=mult + 1))
+    mult_q, mult_k = mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"]
+    n = seqlen(mod)
+    q, k, v = qkv(mod, n=n + 1)
+    expect(mod, f"q seqlen {n + 1} is not supported: this step needs a multiple of {mult_q}", q, k, v)
+    q, k, v = qkv(mod, n=n)
+    k, v = qkv(mod, n=n + mult_k // 2)[1:]  # q fine, k/v not
+    expect(mod, f"k/v seqlen {n + mult_k // 2} is not supported: this step needs a multiple of {mult_k}", q, k, v)
 
 
 def test_unsupported_strides(mod):
-    q, k, v = qkv()
+    q, k, v = qkv(mod)
     q_t = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim not contiguous
-    expect(mod, "strides", q_t, k, v)
-    huge = torch.empty_strided(q.shape, (0, 0, 2**24, 1), dtype=torch.bfloat16, device="meta")  # no memory behind it
-    expect(mod, "row stride 16777216", huge, k, v)
+    expect(mod, "q has strides .*the last dim must be contiguous", q_t, k, v)
+    n = seqlen(mod)
+    huge = meta((1, 2, n, 128), (0, 0, 2**24, 1))
+    expect(mod, "q has row stride 16777216", huge, k, v)
+    # batch and head strides that are not multiples of 8 elements (16 bytes), on dims of size > 1
+    two = meta((2, 2, n, 128))
+    expect(mod, "k has strides .*multiples of 8", two, meta((2, 2, n, 128), (2 * 128 * n + 4, 128 * n, 128, 1)), two)
+    expect(mod, "v has strides .*multiples of 8", q, k, meta((1, 2, n, 128), (2 * 128 * n, 128 * n + 4, 128, 1)))
+
+
+def test_odd_strides_of_size_one_dims_are_valid(mod):
+    """A (1, 2, n, 128) tensor with strides (1, 128 n, 128, 1) is valid: batch 1 is never stepped over."""
+    n = seqlen(mod)
+    q = meta((1, 2, n, 128), (1, 128 * n, 128, 1))
+    o, lse = mod.attention(q, meta((1, 2, n, 128)), meta((1, 1, n, 128), (3, 5, 128, 1)).expand(1, 2, n, 128))
+    assert o.shape == q.shape and lse.shape == q.shape[:3]
 
 
 def test_bad_scale(mod):
-    expect(mod, "scale must be a finite positive float", *qkv(), scale=float("nan"))
-    expect(mod, "scale must be a finite positive float", *qkv(), scale=-0.1)
+    for scale in (math.nan, -0.1, 0.0, math.inf, -math.inf):
+        expect(mod, "scale must be a finite positive float", *qkv(mod), scale=scale, exc=ValueError)
+    for scale in (True, "0.1", torch.tensor(0.1)):
+        expect(mod, "scale must be a finite positive float", *qkv(mod), scale=scale, exc=TypeError)
+    expect(mod, "scale 1e\\+39 overflows float32", *qkv(mod), scale=1e39, exc=ValueError)
+    expect(mod, "overflows float32", *qkv(mod), scale=10**400, exc=ValueError)
+    expect(mod, "scale 1e-50 rounds to 0 in float32", *qkv(mod), scale=1e-50, exc=ValueError)
+
+
+def test_grid_limits(mod):
+    """Batch and heads are the grid's z and y: above 65535 a launch would fail; meta tensors cost no memory."""
+    n = seqlen(mod)
+    for shape in ((65536, 1, n, 128), (1, 65536, n, 128)):
+        q = meta(shape)
+        expect(mod, "too large: batch, heads <= 65535", q, q, q)
+    long = n * -(-2**31 // (65535 * n))  # batch * heads * seqlen_q >= 2^31: the lse index would overflow int32
+    q, kv = meta((1, 65535, long, 128)), meta((1, 65535, n, 128))
+    expect(mod, "too large", q, kv, kv)
 
 
 def test_too_long(mod):
-    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(1, 2, 1, 128, dtype=torch.bfloat16, device="meta").expand(1, 2, 2**31, 128)  # no memory behind it
+    n = seqlen(mod)
+    q = meta((1, 2, n, 128))
+    k = meta((1, 2, 1, 128)).expand(1, 2, (2**31 // n + 1) * n, 128)  # no memory behind it
     expect(mod, "too large", q, k, k)
 
 
 def test_cpu_tensors(mod):
-    expect(mod, "is on cpu; flashladder runs on a CUDA device", *qkv(device="cpu"))
+    expect(mod, "q is on cpu; flashladder runs on a CUDA device", *qkv(mod, device="cpu"))
+
+
+def test_out_buffers(mod):
+    """attention_out's o and lse: shape, dtype, contiguity (device: test_out_buffer_on_another_device)."""
+    q, k, v = qkv(mod)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    expect_out(mod, "o must be a contiguous bf16 tensor of q's shape", q, k, v, o[:, :1], lse)
+    expect_out(mod, "o must be a contiguous bf16 tensor.*got torch.float16", q, k, v, o.half(), lse)
+    expect_out(mod, "o must be a contiguous bf16 tensor.*strides", q, k, v, o.transpose(1, 2).contiguous().transpose(1, 2), lse)
+    expect_out(mod, "lse must be a contiguous float32 tensor of shape", q, k, v, o, lse[..., :1])
+    expect_out(mod, "lse must be a contiguous float32 tensor.*got torch.float64", q, k, v, o, lse.double())
+    lse_strided = torch.empty(*q.shape[:2], 2 * q.shape[2], device=q.device)[..., ::2]
+    expect_out(mod, "lse must be a contiguous float32 tensor.*strides", q, k, v, o, lse_strided)
+
+
+def test_empty_and_keyless_inputs_pass_the_checks(mod):
+    """Batch, heads or seqlen_q of 0, and seqlen_k of 0, are valid (meta tensors: the checks and output shapes;
+    test_binding_edges.py runs them on the GPU)."""
+    n = seqlen(mod)
+    for q_shape, kv_shape in (((0, 2, n, 128), (0, 2, n, 128)), ((1, 0, n, 128), (1, 0, n, 128)),
+                              ((1, 2, 0, 128), (1, 2, n, 128)), ((1, 2, n, 128), (1, 2, 0, 128))):
+        o, lse = mod.attention(meta(q_shape), meta(kv_shape), meta(kv_shape))
+        assert o.shape == q_shape and lse.shape == q_shape[:3]
 
 
 @needs_gpu
 def test_device_mismatch(mod):
-    q, k, v = qkv(device="cuda")
-    expect(mod, "all tensors must be on one device|v is on cpu", q, k, v.cpu())
+    q, k, v = qkv(mod, device="cuda")
+    expect(mod, "v is on cpu; flashladder runs on a CUDA device", q, k, v.cpu())
+    # meta beside cuda: the op's fake implementation (meta tensors welcome) sees two devices
+    expect(mod, "all tensors must be on one device: q is on meta, k on cuda:0", meta(tuple(q.shape)), k, v)
+
+
+@needs_gpu
+def test_out_buffer_on_another_device(mod):
+    q, k, v = qkv(mod, device="cuda")
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
+    expect_out(mod, "o is on cpu", q, k, v, o.cpu(), lse)
+    expect_out(mod, "lse is on cpu", q, k, v, o, lse.cpu())
 
 
 @needs_gpu
 def test_misaligned_pointer(mod):
-    q, k, v = qkv(device="cuda")
-    flat = torch.empty(q.numel() + 8, dtype=torch.bfloat16, device="cuda")
+    q, k, v = qkv(mod, device="cuda")
+    flat = torch.empty(q.numel() + 8, dtype=BF16, device="cuda")
     q_odd = flat[1:1 + q.numel()].view(q.shape)  # 2-byte offset: rows no longer 16-byte aligned
-    expect(mod, "not 16-byte aligned", q_odd, k, v)
+    expect(mod, "q's data pointer is not 16-byte aligned", q_odd, k, v)
+    o_odd = torch.empty(q.numel() + 8, dtype=BF16, device="cuda")[1:1 + q.numel()].view(q.shape)
+    expect_out(mod, "o's data pointer is not 16-byte aligned", q, k, v, o_odd, torch.empty(q.shape[:3], device="cuda"))
 
 
 @needs_gpu
 def test_wrong_gpu_architecture(mod, monkeypatch):
     binding = mod._binding
     monkeypatch.setattr(binding, "_device_arch", lambda index: ((8, 0), "NVIDIA A100 (pretend)"))
-    expect(mod, "needs an sm_90 GPU.*sm_80", *qkv(device="cuda"), exc=RuntimeError)
+    expect(mod, "needs an sm_90 GPU.*sm_80", *qkv(mod, device="cuda"), exc=RuntimeError)
 
 
 @needs_gpu
@@ -115,17 +203,48 @@ def test_launcher_reports_launch_errors(mod):
 
 
 @needs_gpu
+def test_binding_raises_on_a_failed_launch(mod, monkeypatch):
+    """The binding turns the launcher's error code into an exception (here: params with an empty grid)."""
+    binding = mod._binding
+    real = binding.make_params
+
+    def no_query_blocks(*args):
+        params = real(*args)
+        params.seqlen_q = 0
+        return params
+    monkeypatch.setattr(binding, "make_params", no_query_blocks)
+    expect(mod, "kernel launch failed: .*invalid.*\\(cudaError \\d+\\)", *qkv(mod, device="cuda"), exc=RuntimeError)
+
+
+@needs_gpu
 def test_output_overlapping_an_input(mod):
-    q, k, v = qkv(device="cuda")
+    q, k, v = qkv(mod, device="cuda")
+    o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
-    with pytest.raises(ValueError, match="o overlaps q"):
-        mod.attention_out(q, k, v, q, lse)
+    expect_out(mod, "o overlaps q", q, k, v, q, lse)
+    expect_out(mod, "o overlaps v", q, k, v, v, lse)
+    expect_out(mod, "lse overlaps o", q, k, v, o, o.view(torch.float32).view(-1)[:lse.numel()].view(lse.shape))
 
 
 @needs_gpu
 def test_op_called_directly_checks_scale(mod):
-    """torch.ops.flashladder.<step> skips the Python wrapper; the op itself still refuses a bad scale."""
-    q, k, v = qkv(device="cuda")
+    """torch.ops.flashladder.<step> skips the Python wrapper; the op itself still refuses a bad scale value
+    (its schema turns True into 1.0 before the op sees it: the wrapper refuses True)."""
+    q, k, v = qkv(mod, device="cuda")
     op = getattr(torch.ops.flashladder, mod.info["step"])
     with pytest.raises(ValueError, match="scale must be a finite positive float"):
         op(q, k, v, -1.0)
+    with pytest.raises(ValueError, match="overflows float32"):
+        op(q, k, v, 1e39)
+
+
+def test_op_called_directly_checks_the_tensors(mod):
+    """Without the wrapper, the op (eager: its real implementation; meta or under torch.compile: its fake one)
+    checks the tensors the same way."""
+    q, k, v = qkv(mod)
+    op = getattr(torch.ops.flashladder, mod.info["step"])
+    with pytest.raises(ValueError, match="head dim must be 128"):
+        op(q, k, v[..., :64], 0.1)
+    n = seqlen(mod)
+    with pytest.raises(ValueError, match="too large"):
+        op(meta((65536, 1, n, 128)), meta((65536, 1, n, 128)), meta((65536, 1, n, 128)), 0.1)

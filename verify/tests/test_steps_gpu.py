@@ -1,86 +1,189 @@
-"""GPU: every step against the float64 reference, on fresh random inputs (skipped without a CUDA GPU)."""
+"""GPU: every step against the float64 reference (skipped without a CUDA GPU).
+
+Shapes are counted in the step's own tiles (info["seqlen_multiple_q"], ["seqlen_multiple_k"]), so every step,
+whatever its tiles, gets its smallest cases. Inputs come from one seed per run (every failure prints the
+FLASHLADDER_SEED=... that replays it); the float64 reference of each case is computed once per run and shared
+by the steps (verify/checks.py).
+"""
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from verify.checks import fresh_seed, make_inputs, measure_errors, run_poisoned  # noqa: E402
+from verify.checks import (  # noqa: E402
+    ADVERSARIAL,
+    CORRUPTIONS,
+    adversarial_case,
+    check,
+    corrupted,
+    errors_of,
+    make_inputs,
+    measure_errors,
+    random_case,
+    replay,
+    run_poisoned,
+    run_seed,
+)
 from verify.tests.conftest import needs_gpu  # noqa: E402
 
 pytestmark = needs_gpu
 
-# (batch, heads, seqlen_q, seqlen_k): batch and heads > 1, seqlen_q != seqlen_k, a long one.
-SHAPES = [(1, 1, 256, 256), (2, 3, 256, 512), (3, 2, 768, 256), (4, 8, 1024, 1024), (1, 2, 4096, 2048)]
+# (batch, heads, q tiles, k/v tiles)
+SHAPES_IN_TILES = [
+    (1, 1, 1, 1),    # the smallest call: one block, one K/V tile (no steady state at all)
+    (1, 2, 1, 2),    # two K/V tiles: a double buffer's prologue and epilogue with nothing between
+    (2, 3, 2, 3),    # batch and heads > 1; three K/V tiles, one more than two buffers
+    (3, 2, 6, 4),    # seqlen_q > seqlen_k
+    (4, 8, 8, 16),   # more blocks than the GPU holds at once: several waves
+    (1, 2, 32, 32),  # long rows (4K x 2K at 128 x 64 tiles)
+]
+
+
+def tiles(mod):
+    return mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"]
+
+
+def in_elements(mod, batch, heads, q_tiles, k_tiles):
+    tile_q, tile_k = tiles(mod)
+    return batch, heads, q_tiles * tile_q, k_tiles * tile_k
+
+
+def assert_passes(mod, err, what):
+    assert not err.failures(), f"{mod.__name__} {what}: {'; '.join(err.failures())}\n({err}); {replay()}"
 
 
 @pytest.mark.parametrize("factor", [1.0, 10.0], ids=["x1", "x10"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", SHAPES_IN_TILES, ids=lambda s: "tiles" + "x".join(map(str, s)))
 def test_matches_float64_reference(mod, shape, factor):
-    seed = fresh_seed()
-    q, k, v = make_inputs(*shape, factor=factor, seed=seed)
-    err = measure_errors(mod, q, k, v)
-    assert not err.failures(), f"{mod.__name__} {shape} x{factor}: {err.failures()} ({err}); replay: FLASHLADDER_SEED={seed}"
+    case = random_case(*in_elements(mod, *shape), factor)
+    assert_passes(mod, check(mod, case), case.label)
+
+
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_adversarial_values(mod, kind):
+    """The numpy model's adversarial cases (verify/tests/test_model.py) against the kernel: see checks.ADVERSARIAL."""
+    case = adversarial_case(kind, *tiles(mod))
+    assert_passes(mod, check(mod, case), f"{case.label}: {ADVERSARIAL[kind]}")
+
+
+@pytest.mark.parametrize("factor", [1.0, 10.0], ids=["x1", "x10"])
+def test_checks_reject_one_corrupted_row(mod, factor):
+    """The verdict passes this step's output and rejects it with one row of one head (or one LSE entry) wrong."""
+    case = random_case(*in_elements(mod, 2, 3, 2, 3), factor)
+    o, lse = run_poisoned(mod, case.q, case.k, case.v, case.scale)
+    assert_passes(mod, errors_of(case, o, lse), case.label)
+    for kind, message in CORRUPTIONS.items():
+        bad = errors_of(case, *corrupted(kind, case, o, lse)).failures()
+        assert any(message in b for b in bad), f"{case.label}: '{kind}' was not rejected: {bad}; {replay()}"
 
 
 def test_custom_scale(mod):
-    q, k, v = make_inputs(2, 2, 256, 256)
-    err = measure_errors(mod, q, k, v, scale=0.3)
-    assert not err.failures(), err.failures()
+    q, k, v = make_inputs(*in_elements(mod, 2, 2, 2, 4))
+    assert_passes(mod, measure_errors(mod, q, k, v, scale=0.3), "scale 0.3")
 
 
 def test_strided_inputs(mod):
     """q, k, v as views of a [batch, seqlen, heads, 128] tensor (the layout most models keep)."""
-    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in make_inputs(2, 4, 512, 512))
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in make_inputs(*in_elements(mod, 2, 4, 2, 4)))
     assert not q.is_contiguous()
-    err = measure_errors(mod, q, k, v)
-    assert not err.failures(), err.failures()
+    assert_passes(mod, measure_errors(mod, q, k, v), "[b, n, h, d] views")
 
 
 def test_k_and_v_with_different_strides(mod):
     """k contiguous, v a view of a [batch, seqlen, heads, 128] tensor: a k/v stride mix-up would show."""
-    q, k, v = make_inputs(2, 4, 256, 512)
+    q, k, v = make_inputs(*in_elements(mod, 2, 4, 2, 4))
     v = v.transpose(1, 2).contiguous().transpose(1, 2)
     assert k.stride() != v.stride()
-    err = measure_errors(mod, q, k, v)
-    assert not err.failures(), err.failures()
+    assert_passes(mod, measure_errors(mod, q, k, v), "k, v strides differ")
 
 
 def test_kv_broadcast_over_heads(mod):
     """k, v expanded over the heads (stride 0), as multi-query attention keeps them."""
-    q, k, v = make_inputs(2, 4, 256, 256)
+    q, k, v = make_inputs(*in_elements(mod, 2, 4, 2, 2))
     k, v = k[:, :1].expand(-1, 4, -1, -1), v[:, :1].expand(-1, 4, -1, -1)
     assert k.stride(1) == 0
-    err = measure_errors(mod, q, k, v)
-    assert not err.failures(), err.failures()
+    assert_passes(mod, measure_errors(mod, q, k, v), "k, v broadcast over heads")
+
+
+def test_size_one_dims_with_odd_strides(mod):
+    """Batch and heads of 1 with strides that are not multiples of 8 (torch keeps such strides after a
+    transpose): never stepped over, so valid."""
+    q, k, v = make_inputs(*in_elements(mod, 1, 1, 2, 2))
+    q, k, v = (t.as_strided(t.shape, (1, 3, *t.stride()[2:])) for t in (q, k, v))
+    assert_passes(mod, measure_errors(mod, q, k, v), "size-1 dims with strides (1, 3, ...)")
 
 
 def test_two_calls_bitwise_equal(mod):
-    q, k, v = make_inputs(2, 4, 1024, 1024)
+    q, k, v = make_inputs(*in_elements(mod, 2, 4, 4, 8))
     o1, lse1 = run_poisoned(mod, q, k, v)
     o2, lse2 = run_poisoned(mod, q, k, v)
-    assert torch.equal(o1, o2) and torch.equal(lse1, lse2), "two calls on the same inputs differ: a race?"
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2), f"two calls on the same inputs differ: a race? {replay()}"
 
 
 def test_functional_matches_out_variant(mod):
-    q, k, v = make_inputs(1, 2, 512, 512)
+    q, k, v = make_inputs(*in_elements(mod, 1, 2, 2, 4))
     o, lse = mod.attention(q, k, v)
     o2, lse2 = run_poisoned(mod, q, k, v)
     assert o.shape == q.shape and o.dtype == torch.bfloat16 and lse.shape == q.shape[:3] and lse.dtype == torch.float32
-    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2), replay()
+
+
+# ---------------------------------------------------------------- streams
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s at ~2 GHz: far longer than any step's call at these shapes
+
+
+def check_on_a_side_stream(mod, attention):
+    """On a side stream: long work first, then q overwritten, then the call; read after waiting for that stream
+    only. The result is that of the new q only if the call ran on the side stream, behind the copy."""
+    q, k, v = make_inputs(*in_elements(mod, 1, 2, 1, 2))
+    q_new = make_inputs(*in_elements(mod, 1, 2, 1, 2), seed=run_seed() + 1)[0]
+    expected, expected_lse = mod.attention(q_new, k, v)
+    old, _ = mod.attention(q, k, v)
+    torch.cuda.synchronize()
+    assert not torch.equal(expected, old), f"the two inputs should give different outputs; {replay()}"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the inputs are ready
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        q.copy_(q_new)
+        o, lse = attention(q, k, v)
+    side.synchronize()
+    assert torch.equal(o, expected) and torch.equal(lse, expected_lse), f"the call did not run on the side stream; {replay()}"
 
 
 def test_on_a_side_stream(mod):
-    q, k, v = make_inputs(1, 2, 512, 512)
-    ref_o, _ = mod.attention(q, k, v)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        o, _ = mod.attention(q, k, v)
-    torch.cuda.current_stream().wait_stream(side)
-    assert torch.equal(o, ref_o)
+    check_on_a_side_stream(mod, mod.attention)
 
+
+def launched_on_stream_zero(attention):
+    """A launcher that ignores the current stream: it launches on the legacy default stream (handle 0), which
+    does not wait for torch's side streams (they are created non-blocking)."""
+    def call(*args):
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            return attention(*args)
+    return call
+
+
+def launched_on_a_private_stream(attention):
+    """A launcher that ignores the current stream for a stream of its own."""
+    private = torch.cuda.Stream()
+    def call(*args):
+        with torch.cuda.stream(private):
+            return attention(*args)
+    return call
+
+
+@pytest.mark.parametrize("wrong", [launched_on_stream_zero, launched_on_a_private_stream], ids=["stream0", "private"])
+def test_side_stream_check_catches_a_launcher_that_ignores_the_stream(mod, wrong):
+    with pytest.raises(AssertionError, match="did not run on the side stream"):
+        check_on_a_side_stream(mod, wrong(mod.attention))
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- torch.compile, CUDA graphs
 
 def test_torch_compile_fullgraph(mod):
-    q, k, v = make_inputs(1, 2, 512, 512)
+    q, k, v = make_inputs(*in_elements(mod, 1, 2, 2, 4))
 
     def model(q, k, v):
         o, lse = mod.attention(q * 1.0, k, v)
@@ -88,11 +191,12 @@ def test_torch_compile_fullgraph(mod):
 
     eager = model(q, k, v)
     compiled = torch.compile(model, fullgraph=True)(q, k, v)
-    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1]), replay()
 
 
 def test_cuda_graph_capture(mod):
-    q, k, v = make_inputs(1, 2, 512, 512)
+    shape = in_elements(mod, 1, 2, 2, 4)
+    q, k, v = make_inputs(*shape)
     o_eager, lse_eager = mod.attention(q, k, v)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -102,10 +206,10 @@ def test_cuda_graph_capture(mod):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o, lse = mod.attention(q, k, v)
-    q2, k2, v2 = make_inputs(1, 2, 512, 512)
+    q2, k2, v2 = make_inputs(*shape, seed=run_seed() + 1)
     q.copy_(q2), k.copy_(k2), v.copy_(v2)
     graph.replay()
     torch.cuda.synchronize()
     o_new, lse_new = mod.attention(q, k, v)
-    assert not torch.equal(o_new, o_eager), "new inputs should give a new output"
-    assert torch.equal(o, o_new) and torch.equal(lse, lse_new), "the replayed graph did not recompute"
+    assert not torch.equal(o_new, o_eager), f"new inputs should give a new output; {replay()}"
+    assert torch.equal(o, o_new) and torch.equal(lse, lse_new), f"the replayed graph did not recompute; {replay()}"

@@ -1,0 +1,141 @@
+"""The binding's edge cases (common/binding.py): its guard of the C ABI, the strides it hands the kernel,
+empty and keyless inputs, the alignment it asks of lse, one check per call. CPU where it can be, else GPU."""
+import ctypes
+import math
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from verify.checks import make_inputs, replay  # noqa: E402
+from verify.reference import attention_reference  # noqa: E402
+from verify.tests.conftest import has_cuda_gpu, needs_gpu  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def seqlen(mod):
+    return math.lcm(mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"])
+
+
+def meta(shape, strides=None):
+    return torch.empty_strided(shape, strides or torch.empty(shape, device="meta").stride(), dtype=BF16, device="meta")
+
+
+# ---------------------------------------------------------------- the ABI guard
+
+def test_abi_version_mismatch_is_refused(mod, monkeypatch):
+    binding = mod._binding
+    monkeypatch.setattr(binding, "ABI_VERSION", binding.ABI_VERSION + 1)
+    with pytest.raises(ImportError, match=f"built for ABI {binding.ABI_VERSION - 1}, this binding speaks {binding.ABI_VERSION}"):
+        binding._load_library(Path(mod.info["library"]))
+
+
+def test_params_mirror_mismatch_is_refused(mod, monkeypatch):
+    """A ctypes mirror of FwdParams that disagrees with the library's struct (here: one field too many)."""
+    binding = mod._binding
+
+    class Mirror(ctypes.Structure):
+        _fields_ = [*binding.FwdParams._fields_, ("extra", ctypes.c_int64)]
+    monkeypatch.setattr(binding, "FwdParams", Mirror)
+    with pytest.raises(ImportError, match="sizeof\\(FwdParams\\) is .* the two disagree"):
+        binding._load_library(Path(mod.info["library"]))
+
+
+def test_missing_library_is_refused(mod, tmp_path):
+    with pytest.raises(ImportError, match="_kernel.so is missing: build the step first"):
+        mod._binding._load_library(tmp_path / "_kernel.so")
+
+
+def test_kernel_library_links_no_torch(mod):
+    """The binding talks to a plain C library: nothing in it depends on libtorch's C++ ABI."""
+    deps = subprocess.run(["ldd", mod.info["library"]], capture_output=True, text=True).stdout
+    assert deps and not any(lib in deps for lib in ("libtorch", "libc10")), deps
+
+
+# ---------------------------------------------------------------- strides
+
+def test_kernel_strides_of_size_one_dims(mod):
+    """Strides of size-1 dims become the contiguous ones (multiples of 8: TMA needs 16-byte strides); the others,
+    stride 0 of a broadcast included, go to FwdParams as they are."""
+    binding, n = mod._binding, seqlen(mod)
+    q = meta((1, 2, n, 128), (1, 128 * n, 128, 1))     # batch 1 with stride 1, as torch leaves it after a transpose
+    k = meta((1, 1, n, 128), (3, 5, 128, 1)).expand(1, 2, n, 128)  # heads broadcast: stride 0
+    v = meta((1, 2, n, 128), (2 * 128 * n, 128 * n, 128, 1))
+    o = meta((1, 2, n, 128), (5, 128 * n, 128, 1))
+    lse = torch.empty(1, 2, n, device="meta")
+    params = binding.make_params(q, k, v, o, lse, 0.5)
+    assert tuple(params.q_stride) == (2 * 128 * n, 128 * n, 128)
+    assert tuple(params.k_stride) == (2 * 128 * n, 0, 128)
+    assert tuple(params.v_stride) == v.stride()[:3]
+    assert tuple(params.o_stride) == (2 * 128 * n, 128 * n, 128)
+    assert binding.kernel_strides(meta((1, 2, 1, 128), (7, 128, 11, 1))) == (2 * 128, 128, 128)  # one row, too
+    assert all(s % 8 == 0 for f in ("q_stride", "k_stride", "v_stride", "o_stride") for s in getattr(params, f))
+    assert (params.batch, params.heads, params.seqlen_q, params.seqlen_k) == (1, 2, n, n)
+
+
+# ---------------------------------------------------------------- one check per call
+
+def test_checks_run_once_per_call(mod, monkeypatch):
+    """attention() checks the argument types, the op everything else: each check once per call."""
+    binding, n = mod._binding, seqlen(mod)
+    calls = {"check_inputs": 0, "check_scale": 0, "check_types": 0}
+    for name in calls:
+        real = getattr(binding, name)
+        def counted(*args, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*args, **kw)
+        monkeypatch.setattr(binding, name, counted)
+    device = "cuda" if has_cuda_gpu() else "meta"  # meta: the op's fake implementation, which checks the same
+    q = torch.zeros(1, 2, n, 128, dtype=BF16, device=device)
+    mod.attention(q, q, q)
+    assert calls == {"check_inputs": 1, "check_scale": 1, "check_types": 1}
+    mod.attention_out(q, q, q, torch.empty_like(q), torch.empty(q.shape[:3], device=device))
+    assert calls == {"check_inputs": 2, "check_scale": 2, "check_types": 2}
+
+
+# ---------------------------------------------------------------- empty and keyless inputs, on the GPU
+
+@needs_gpu
+@pytest.mark.parametrize("which", ["batch", "heads", "seqlen_q"])
+def test_empty_inputs_give_empty_outputs(mod, which):
+    """As SDPA: empty outputs, no launch (a launch with an empty grid would fail: test_errors.py)."""
+    n = seqlen(mod)
+    shape = {"batch": (0, 2, n, 128), "heads": (1, 0, n, 128), "seqlen_q": (1, 2, 0, 128)}[which]
+    q = torch.zeros(shape, dtype=BF16, device="cuda")
+    k = v = torch.zeros(*shape[:2], n, 128, dtype=BF16, device="cuda")
+    o, lse = mod.attention(q, k, v)
+    assert o.shape == shape and o.dtype == BF16 and o.device == q.device
+    assert lse.shape == shape[:3] and lse.dtype == torch.float32 and lse.device == q.device
+    mod.attention_out(q, k, v, torch.empty_like(q), torch.empty(shape[:3], device="cuda"))
+    torch.cuda.synchronize()
+
+
+@needs_gpu
+def test_no_key_gives_zero_and_minus_inf(mod):
+    """seqlen_k = 0: every row has no key; verify/reference.py's convention (o = 0, lse = -inf), no launch."""
+    n = seqlen(mod)
+    q, k, v = make_inputs(2, 3, n, 0)
+    o_ref, lse_ref = attention_reference(q.double().cpu().numpy(), k.double().cpu().numpy(), v.double().cpu().numpy())
+    o, lse = mod.attention(q, k, v)
+    assert np.array_equal(o.double().cpu().numpy(), o_ref) and np.array_equal(lse.double().cpu().numpy(), lse_ref), replay()
+    o2 = torch.full_like(q, math.nan)
+    lse2 = torch.full(q.shape[:3], math.nan, device="cuda")
+    mod.attention_out(q, k, v, o2, lse2)
+    assert torch.equal(o2, o) and torch.equal(lse2, lse)
+
+
+@needs_gpu
+def test_lse_needs_only_4_byte_alignment(mod):
+    """lse is written one float at a time: a buffer 4 bytes (not 16) into an allocation is fine."""
+    n = seqlen(mod)
+    q, k, v = make_inputs(1, 2, n, n)
+    lse = torch.empty(2 * n + 1, device="cuda")[1:].view(1, 2, n)
+    assert lse.data_ptr() % 16 != 0
+    o = torch.empty_like(q)
+    mod.attention_out(q, k, v, o, lse)
+    o_ref, lse_ref = mod.attention(q, k, v)
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), replay()
