@@ -1,0 +1,228 @@
+"""CPU: the benchmark's timer (verify/bench.py) on a simulated GPU and clock; GPU: the same on the card.
+
+The simulated GPU runs each call in a fixed number of SM cycles at the clock of the moment, after a
+fixed-time L2 flush, back to back unless the CPU (launch_s per call) falls behind; the clock readings are
+taken every READ_S from a function of time. Every clock, duration and power figure below is synthetic.
+"""
+import argparse
+import math
+import statistics
+import time
+
+import pytest
+
+from verify import bench
+from verify.bench import SteadyState, Timing
+from verify.tests.conftest import needs_gpu
+
+T = Timing()
+BOOST_MHZ, HELD_MHZ = 1980.0, 1755.0  # synthetic: a card that boosts high when rested, lower under load
+FALL_S = 2.0                          # synthetic: how long the clock falls before it holds
+POWER_W = 600.0                       # synthetic
+READ_S = 0.02                         # the clock is read this often
+FAST_S = 0.5e-3                       # a call of a fast kernel at boost clock
+FLUSH_S = 0.07e-3                     # the L2 flush
+LIMIT_S = 10 * (T.warmup_s + T.settle_max_s + T.window_s)  # a timer still running then is stuck
+
+
+def steady(t):
+    return BOOST_MHZ
+
+
+def falls_then_holds(t):
+    return BOOST_MHZ - (BOOST_MHZ - HELD_MHZ) * min(t, FALL_S) / FALL_S
+
+
+def never_settles(t):  # keeps falling by twice the settle threshold per settle span
+    return BOOST_MHZ - 2 * T.settle_mhz / T.settle_s * t
+
+
+class FakeGPU:
+    def __init__(self, mhz_at, call_s=FAST_S, launch_s=FAST_S / 20):
+        self.mhz_at, self.launch_s = mhz_at, launch_s
+        self.cycles = call_s * BOOST_MHZ * 1e6
+        self.host = 0.0      # the CPU's time
+        self.free_at = 0.0   # when the GPU has finished everything queued
+        self.ms: list[float] = []  # every launched call's duration
+
+    def launch(self):
+        self.host += self.launch_s
+        assert self.host < LIMIT_S, "the timer never stopped"
+        flush_start = max(self.free_at, self.host)  # the GPU waits when the CPU is late
+        start = flush_start + FLUSH_S
+        end = start + self.cycles / (self.mhz_at(start) * 1e6)
+        self.free_at = end
+        self.ms.append((end - start) * 1e3)
+        return flush_start, start, end
+
+    def wait(self, call):
+        self.host = max(self.host, call[2])
+        return call
+
+    def drain(self):
+        self.host = max(self.host, self.free_at)
+
+
+def readings_of(mhz_at, read_s=READ_S):
+    def readings(a, b):
+        return [(mhz_at(k * read_s), POWER_W) for k in range(math.ceil(a / read_s), math.floor(b / read_s) + 1)]
+    return readings
+
+
+def timed(mhz_at, timing=T, clock=True, read_s=READ_S, **gpu_args):
+    gpu = FakeGPU(mhz_at, **gpu_args)
+    state = bench.drive(gpu, SteadyState(timing, readings_of(mhz_at, read_s) if clock else None), timing.ahead_s)
+    return gpu, state, state.summary()
+
+
+def warmup_end(state):
+    return state.calls[state.first_window - 1][2] - state.calls[0][0]
+
+
+def test_warmup_waits_while_the_clock_falls():
+    _, state, s = timed(falls_then_holds)
+    assert s["warmup_ended_by"] == "clock"
+    assert FALL_S <= warmup_end(state) <= FALL_S + 2 * T.settle_s, warmup_end(state)
+    assert s["sm_mhz_min"] == s["sm_mhz_max"] == HELD_MHZ, "the window must lie after the fall"
+    assert s["power_w_median"] == POWER_W and s["clock_readings"] >= T.window_s / READ_S
+
+
+def test_warmup_of_a_steady_clock_lasts_warmup_s():
+    _, state, s = timed(steady)
+    assert s["warmup_ended_by"] == "clock"
+    assert warmup_end(state) >= T.warmup_s > state.calls[state.first_window - 2][2] - state.calls[0][0]
+
+
+def test_a_clock_that_never_settles_hits_the_cap():
+    _, state, s = timed(never_settles)
+    assert s["warmup_ended_by"] == "cap"
+    cap = T.warmup_s + T.settle_max_s
+    assert warmup_end(state) >= cap > state.calls[state.first_window - 2][2] - state.calls[0][0]
+
+
+def test_without_a_clock_source_warmup_lasts_warmup_s():
+    _, state, s = timed(falls_then_holds, clock=False)
+    assert s["warmup_ended_by"] == "no clock"
+    assert warmup_end(state) >= T.warmup_s > state.calls[state.first_window - 2][2] - state.calls[0][0]
+    assert s["sm_mhz_median"] is None and s["clock_readings"] == 0
+
+
+def test_a_slowly_read_clock_gets_longer_settle_spans():
+    read_s = T.settle_s  # one reading per span: too few to tell a trend
+    _, _, s = timed(steady, read_s=read_s)
+    assert s["warmup_ended_by"] == "cap"
+    fitted = bench.fit_to_clock(T, read_s)
+    _, _, s = timed(steady, timing=fitted, read_s=read_s)
+    assert s["warmup_ended_by"] == "clock"
+    assert bench.fit_to_clock(T, READ_S) == T, "NVML's readings are frequent enough for the default spans"
+
+
+def test_a_slow_implementation_gets_the_minimum_calls_and_no_more():
+    gpu, _, s = timed(steady, call_s=1.5 * max(T.warmup_s, T.window_s), launch_s=1e-4)
+    assert (s["warmup_calls"], s["window_calls"]) == (T.min_warmup_calls, T.min_window_calls)
+    assert len(gpu.ms) == T.min_warmup_calls + T.min_window_calls, "calls were queued that the window did not need"
+
+
+def test_the_window_covers_window_s_and_its_median_is_the_figure():
+    gpu, state, s = timed(falls_then_holds)
+    assert T.window_s <= s["window_s"] < T.window_s + 2 * state.per_call_s()
+    assert s["warmup_calls"] + s["window_calls"] == len(state.calls)
+    window_ms = gpu.ms[s["warmup_calls"]:len(state.calls)]
+    assert s["median_ms"] == statistics.median(window_ms)
+
+
+def test_burst_is_the_first_calls_after_the_pause():
+    gpu, _, s = timed(falls_then_holds)  # calls get slower while the clock falls: each prefix has its own median
+    assert s["burst_calls"] == min(T.burst_calls, s["warmup_calls"])
+    assert s["burst_median_ms"] == statistics.median(gpu.ms[:T.burst_calls])
+    assert s["burst_median_ms"] < s["median_ms"]
+
+
+def test_the_gpu_never_waits_for_the_cpu():
+    _, _, s = timed(falls_then_holds)
+    assert s["idle_pct"] == 0
+
+
+def test_idle_shows_a_cpu_that_falls_behind():
+    _, _, s = timed(steady, launch_s=2 * FAST_S)
+    assert s["idle_pct"] > 0
+
+
+def test_log_line_shows_the_clock_and_the_cap():
+    _, _, s = timed(never_settles)
+    line = bench.log_line("N=4096 batch=4 fake", bench.with_tflops(s, bench.flops(4, bench.HEADS, 4096)))
+    assert f"SM {s['sm_mhz_min']:.0f}-{s['sm_mhz_max']:.0f} MHz" in line and f"{s['power_w_median']:.0f} W" in line
+    assert "CAP" in line and f"{s['tflops']:.1f} TFLOP/s" in line and f"burst {s['burst_tflops']:.1f}" in line
+    _, _, s = timed(steady, clock=False)
+    assert "SM clock not read" in bench.log_line("fake", bench.with_tflops(s, 1))
+
+
+@pytest.mark.parametrize("field", [f.name for f in bench.dataclasses.fields(Timing)])
+@pytest.mark.parametrize("bad", [-1, math.nan])
+def test_timing_rejects_bad_values(field, bad):
+    with pytest.raises(ValueError, match=f"Timing.{field} must be"):
+        Timing(**{field: bad})
+
+
+def test_timing_flags():
+    ap = argparse.ArgumentParser()
+    bench.add_timing_args(ap)
+    assert bench.timing_from_args(ap.parse_args([])) == Timing()
+    window = 2 * T.window_s
+    assert bench.timing_from_args(ap.parse_args(["--window", str(window)])).window_s == window
+    for flag in bench.TIMING_FLAGS:
+        with pytest.raises(SystemExit):
+            ap.parse_args([flag, "-1"])
+
+
+def test_parse_smi():
+    mhz, watts = HELD_MHZ, POWER_W
+    assert bench.parse_smi(f"{mhz:.0f}, {watts:.2f}") == (mhz, watts)
+    assert bench.parse_smi(f"{mhz:.0f}, [N/A]") == (mhz, None)
+
+
+def test_clock_sampler_keeps_timed_readings():
+    count = iter(range(10**9))
+    def read():
+        time.sleep(READ_S / 4)
+        return float(next(count)), None
+    with bench.ClockSampler(period_s=1e-3, read=read, source="fake") as sampler:
+        time.sleep(0.05)
+    assert sampler.interval_s >= 1e-3 + READ_S / 4
+    everything = sampler.between(-math.inf, math.inf)
+    assert len(everything) >= 2
+    times = sampler._times
+    middle = times[len(times) // 2]
+    assert sampler.between(middle, math.inf) == everything[len(times) // 2:]
+    assert sampler.between(-math.inf, middle) == everything[:len(times) // 2 + 1]
+
+
+# ---- on the GPU (skipped without one) ----
+
+SHORT = Timing(warmup_s=0.2, settle_max_s=0.2, window_s=0.1)
+
+
+@needs_gpu
+def test_measure_on_the_gpu():
+    import torch
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    with bench.ClockSampler() as sampler:
+        s = bench.measure(lambda: a @ a, bench.L2Flush(), sampler, SHORT)
+    assert s["window_s"] >= SHORT.window_s and s["window_calls"] >= SHORT.min_window_calls
+    assert s["min_ms"] <= s["median_ms"] <= s["max_ms"] and s["burst_calls"] <= SHORT.burst_calls
+    assert s["idle_pct"] < 5, f"the GPU waited for the CPU {s['idle_pct']:.1f}% of the window"
+    if sampler.source is not None:
+        assert s["clock_readings"] > 0 and 0 < s["sm_mhz_min"] <= s["sm_mhz_median"] <= s["sm_mhz_max"]
+
+
+@needs_gpu
+def test_run_on_the_gpu():
+    lines = []
+    out = bench.run({}, [1024], log=lines.append, timing=SHORT)
+    assert set(out["timings"]) == {*bench.SDPA_BACKENDS, "cublas_gemm"}
+    for name in bench.SDPA_BACKENDS:
+        assert out["timings"][name].get(1024) or name in out["unavailable"], name
+    gemm = out["timings"]["cublas_gemm"][str(bench.GEMM_N)]
+    assert gemm["tflops"] > 0 and gemm["window_calls"] >= SHORT.min_window_calls
+    assert out["method"]["window_s"] == SHORT.window_s and "clock_source" in out["method"]
+    assert any("SM " in line for line in lines), lines

@@ -1,0 +1,133 @@
+"""CPU: the report (verify/report.py) on synthetic runs, and on every results file committed under results/.
+
+A synthetic run's cells come from the real timer (SteadyState on test_bench's simulated GPU): the report
+reads the same fields a GPU run writes. Every figure in them is synthetic, none is a measurement.
+"""
+import json
+from pathlib import Path
+
+import pytest
+
+from verify import bench, report
+from verify.bench import Timing
+from verify.tests.test_bench import BOOST_MHZ, FALL_S, FAST_S, READ_S, falls_then_holds, steady, timed
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = Timing(warmup_s=0.2, settle_max_s=0.2, window_s=0.05, settle_s=2.5 * READ_S, burst_calls=10)  # 2+ readings a span
+QUICK_FALL_S = QUICK.warmup_s / 2
+
+
+def quick_fall(t):  # test_bench's clock, falling over QUICK_FALL_S instead of FALL_S
+    return falls_then_holds(t * FALL_S / QUICK_FALL_S)
+
+
+def quick_never_settles(t):
+    return BOOST_MHZ - 4 * QUICK.settle_mhz / QUICK.settle_s * t
+
+
+META = {"gpu": "Synthetic GPU", "driver": "0.0", "torch": "0.0", "torch_cuda": "0.0", "cudnn": 0, "nvcc": "0.0"}
+
+
+def synthetic_run(seqlens, steps=("step01", "step02"), capped=(), without=(), clock=True):
+    """Every step and SDPA backend at every N, each a little faster than the one before it."""
+    impls = [s for s in (*steps, *bench.SDPA_BACKENDS) if s not in without]
+    timings = {}
+    for i, impl in enumerate(impls):
+        timings[impl] = {}
+        for n in seqlens:
+            batch = bench.TOTAL_TOKENS // n
+            mhz_at = quick_never_settles if (impl, n) in capped else quick_fall
+            _, _, cell = timed(mhz_at, timing=QUICK, clock=clock, call_s=FAST_S / (i + 1) * n / seqlens[0])
+            timings[impl][str(n)] = bench.with_tflops(cell | {"batch": batch}, bench.flops(batch, bench.HEADS, n))
+    _, _, gemm = timed(steady, timing=QUICK)
+    timings["cublas_gemm"] = {str(bench.GEMM_N): bench.with_tflops(gemm, 2 * bench.GEMM_N**3)}
+    return {"path": "results/synthetic.json", "meta": META, "steps": list(steps), "seqlens": list(seqlens),
+            "checks": {s: "passed" for s in steps}, "timings": timings, "unavailable": {}}
+
+
+def label(n):
+    return f"{n // 1024}K"
+
+
+@pytest.mark.parametrize("seqlens", [[1024, 2048], [2048, 8192, 32768], bench.SEQLENS_OF_RECORD])
+def test_labels_follow_the_seqlens_run(seqlens):
+    run = synthetic_run(seqlens)
+    console, markdown = report.console_table(run), report.markdown_table(run)
+    headline = [n for n in report.HEADLINE if n in seqlens] or seqlens
+    ratios = "/".join(label(n) for n in headline)
+    header = console.splitlines()[0]
+    for n in seqlens:
+        assert f"N={label(n)}" in header and f"N={label(n)}" in markdown.splitlines()[0]
+    assert f"×prev({ratios})" in header and f"×cuDNN({ratios})" in header, header
+    assert f"× previous step ({ratios})" in markdown and f"× cuDNN ({ratios})" in markdown
+    if 4096 not in seqlens:
+        assert "4K/8K/16K" not in console + markdown
+
+
+def test_note_says_how_it_was_timed_and_the_clock_range():
+    seqlens = [1024, 4096]
+    run = synthetic_run(seqlens, capped=[("step02", 4096)])
+    note = report.markdown_table(run).splitlines()[-1]
+    cells = [run["timings"][impl][str(n)] for impl in ["step01", "step02", *bench.SDPA_BACKENDS] for n in seqlens]
+    lo, hi = min(c["sm_mhz_min"] for c in cells), max(c["sm_mhz_max"] for c in cells)
+    fewest, most = min(c["window_calls"] for c in cells), max(c["window_calls"] for c in cells)
+    assert note.startswith("Sustained TFLOP/s")
+    assert f"{lo:.0f}–{hi:.0f} MHz" in note
+    assert f"{fewest} calls" in note and f"to {most} calls per figure" in note
+    assert f"window of ≥ {min(c['window_s'] for c in cells):.2f} s" in note
+    assert f"1 of {len(cells)} stopped at the time cap" in note
+    gemm = run["timings"]["cublas_gemm"][str(bench.GEMM_N)]["tflops"]
+    assert f"timed the same way: {gemm:.0f} TFLOP/s" in note and run["path"] in note
+
+
+def test_note_of_an_uncapped_run_does_not_mention_the_cap():
+    note = report.markdown_table(synthetic_run([1024])).splitlines()[-1]
+    assert "cap" not in note
+
+
+def test_note_of_a_run_without_clock_readings():
+    note = report.markdown_table(synthetic_run([1024], clock=False)).splitlines()[-1]
+    assert "the SM clock was not read" in note and "SM clock not recorded" in note
+    assert "stopped falling" not in note and "MHz" not in note
+
+
+def test_burst_vs_sustained_lines():
+    run = synthetic_run([4096, 16384])
+    console = report.console_table(run)
+    cell = run["timings"]["sdpa_cudnn"]["16384"]
+    line = next(ln for ln in console.splitlines() if ln.startswith(bench.LABELS["sdpa_cudnn"]) and "->" in ln)
+    assert f"{cell['burst_tflops']:.0f} -> {cell['tflops']:.0f} ({cell['tflops'] / cell['burst_tflops'] - 1:+.1%}" in line
+    assert f"{cell['sm_mhz_median']:.0f} MHz" in line
+    assert any(ln.startswith(bench.LABELS["cublas_gemm"]) for ln in console.splitlines())
+
+
+def test_chart_has_a_linear_panel_of_ratios_to_cudnn(tmp_path):
+    run = synthetic_run([1024, 4096])
+    fig = report.chart(run, tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    top, bottom = fig.axes[:2]
+    assert top.get_yscale() == "log" and bottom.get_yscale() == "linear"
+    heights = sorted(round(b.get_height(), 9) for b in bottom.patches)
+    ratios = sorted(round(v or 0, 9) for r in report.rows(run) for v in r["vs_cudnn"].values())
+    assert heights == ratios
+    fig = report.chart(synthetic_run([1024], without=["sdpa_cudnn"]), tmp_path / "no_cudnn.png")
+    assert len(fig.axes) == 1, "no ratio panel without cuDNN figures"
+
+
+RESULTS = sorted(p for p in (ROOT / "results").rglob("*.json") if "timings" in json.loads(p.read_text()))
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_committed_results_file_renders(path, tmp_path):
+    """python -m verify --report FILE must work for old files too (burst-only, no clock data)."""
+    run = report.load(path)
+    note = report.markdown_table(run).splitlines()[-1]
+    report.console_table(run)
+    report.chart(run, tmp_path / "chart.png")
+    cells = [c for impl, cs in run["timings"].items() if impl != "cublas_gemm" for c in cs.values()]
+    if not all("window_calls" in c for c in cells):
+        assert "boost-clock bursts" in note, note
+
+
+def test_there_are_committed_results_files():
+    assert RESULTS, "no results file under results/: test_every_committed_results_file_renders tests nothing"
