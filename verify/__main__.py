@@ -4,32 +4,43 @@
     python -m verify --steps 5-6 --seqlens 4096,16384
     python -m verify --no-bench            # build + checks only
     python -m verify --no-checks           # build + benchmark only
+    python -m verify --out DIR             # also write the log, the checks' junit XML and the results to DIR
 
-Runs without nox (the GPU machine has no network). Writes results/<gpu>/<timestamp>.json and .png,
-regenerates the README table after a full run, copies the logs to $OUT when that is set, and prints
-a short table last.
+Runs without nox (the GPU machine has no network). The checks of each step run in a process of their own
+with a time limit (--check-timeout): a kernel that hangs (a wrong mbarrier phase never completes) fails its
+step, the process is killed, and the run goes on with the next step; a step that failed is not benchmarked.
+Writes results/<gpu>/<timestamp>.json and .png, regenerates the README table after a full run, and prints a
+short table last.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from verify import steps as steps_mod
 
 ROOT = steps_mod.ROOT
+TESTS = ROOT / "verify" / "tests"
+PROG = "python -m verify"
+_log_file = None  # <--out>/verify.log while a run writes one
 
 
 def log(msg: str = "") -> None:
     print(msg, flush=True)
+    if _log_file:
+        _log_file.write(msg + "\n")
+        _log_file.flush()
 
 
 def gpu_meta() -> dict:
@@ -57,41 +68,107 @@ def smi() -> dict:
         return {"driver": "unknown", "clocks": {}}
 
 
-class StepOutcomes:
-    """pytest plugin: pass/fail per step, read from the test ids ('...[step03-...]')."""
-    def __init__(self):
-        self.failed: dict[str, list[str]] = {}
-        self.passed: set[str] = set()
+def run_pytest(args: list[str], env: dict, timeout: float, junit: Path | None = None, log=log,
+               stream: bool = True) -> tuple[str, str]:
+    """`python -m pytest ARGS` in a process of its own, its output copied to the log, killed at `timeout` s.
 
-    def pytest_runtest_logreport(self, report):
-        m = re.search(r"\b(step\d\d)\b", report.nodeid)
-        if not m:
-            return
-        if report.failed:
-            self.failed.setdefault(m.group(1), []).append(report.nodeid)
-        elif report.passed and report.when == "call":
-            self.passed.add(m.group(1))
+    stream=False holds the output back and logs it in one piece at the end (for processes running side by
+    side, whose lines would otherwise interleave).
+
+    A hung kernel blocks its process in a CUDA call for good, and nothing inside that process can end it:
+    only killing the process frees the GPU. The process gets its own process group so that its children
+    (torch.compile's workers, subprocesses of the tests) go with it. Returns (verdict, pytest's last line).
+    """
+    cmd = [sys.executable, "-m", "pytest", *args, "-q", "-rfEs", "-p", "no:cacheprovider"]
+    if junit:
+        cmd.append(f"--junitxml={junit}")
+    lines: list[str] = []
+
+    def copy_output():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if stream:
+                log(lines[-1])
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    reader = threading.Thread(target=copy_output, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        # Kill the whole group: at the time limit; on Ctrl-C (the terminal's SIGINT does not reach another
+        # session); and after a normal exit too, for children the tests left behind (one could hold a hung kernel).
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing left in the group
+            pass
+        proc.wait()
+    reader.join(timeout=10)  # a child that left the group could hold the pipe open: don't wait for it
+    if not stream:
+        log("\n".join(lines))
+    last = next((ln for ln in reversed(lines) if ln.strip()), "")
+    return verdict(rc, timeout), last
 
 
-def run_checks(steps: list[str], out_dir: Path | None) -> tuple[int, dict]:
-    import pytest
-    os.environ["FLASHLADDER_STEPS"] = ",".join(steps)
-    plugin = StepOutcomes()
-    args = [str(ROOT / "verify" / "tests"), "-q", "-rfEs", "-p", "no:cacheprovider"]
-    if out_dir:
-        args.append(f"--junitxml={out_dir / 'checks.xml'}")
-    code = pytest.main(args, plugins=[plugin])
-    outcome = {s: ("FAILED" if s in plugin.failed else "passed" if s in plugin.passed else "not run") for s in steps}
-    return int(code), outcome
+def verdict(rc: int | None, timeout: float) -> str:
+    """A check process's exit status in words (pytest's exit codes; rc None = killed at the time limit)."""
+    if rc is None:
+        return f"FAILED (timed out after {timeout:g} s: a hung kernel?)"
+    if rc == 0:
+        return "passed"
+    if rc == 5:
+        return "not run (no tests selected)"
+    if rc < 0:
+        return f"FAILED (the test process died of {signal.Signals(-rc).name})"
+    return "FAILED" if rc == 1 else f"FAILED (pytest exit code {rc})"
+
+
+def check_steps(steps: list[str], timeout: float, junit_dir: Path | None = None, tests: Path = TESTS, log=log,
+                jobs: int = 1) -> dict:
+    """Each step's checks (the tests whose id names it) in a process of their own, `jobs` processes at a time
+    (their output is then logged step by step as each finishes). Returns {step: verdict}."""
+    def one(step):
+        log(f"-- {step}: pytest -k {step} (time limit {timeout:g} s)")
+        t0 = time.monotonic()
+        env = {**os.environ, "FLASHLADDER_STEPS": step}
+        verdict_, last = run_pytest([str(tests), "-k", step], env, timeout,
+                                    junit_dir / f"{step}.xml" if junit_dir else None, log=log, stream=jobs == 1)
+        log(f"-- {step}: {verdict_} ({time.monotonic() - t0:.0f} s; {last})")
+        return step, verdict_
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return dict(pool.map(one, steps))
+
+
+def check_others(steps: list[str], timeout: float, junit_dir: Path | None = None, tests: Path = TESTS, log=log,
+                 stream: bool = True) -> str:
+    """The tests that concern no single step (model, CLI, README, figures), once, in a process of their own."""
+    log(f"-- other tests (time limit {timeout:g} s)")
+    env = {**os.environ, "FLASHLADDER_STEPS": ",".join(steps)}
+    outcome, last = run_pytest([str(tests), "-k", " and ".join(f"not {s}" for s in steps)], env, timeout,
+                               junit_dir / "others.xml" if junit_dir else None, log=log, stream=stream)
+    log(f"-- other tests: {outcome} ({last})")
+    return outcome
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m verify", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", help="e.g. 1-6, step03, 2,5 (default: every step under steps/)")
-    ap.add_argument("--seqlens", help="comma-separated N (default: 1024,...,16384; batch = 16384/N)")
-    ap.add_argument("--no-checks", action="store_true", help="skip the pytest checks")
+    ap = steps_mod.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=steps_mod.steps_arg, help="e.g. 1-6, step03, 2,5 (default: every step under steps/)")
+    ap.add_argument("--seqlens", type=steps_mod.seqlens_arg, help="comma-separated N (default: 1024,...,16384; batch = 16384/N)")
+    ap.add_argument("--no-checks", action="store_true", help="skip the pytest checks (a hung kernel then hangs the benchmark)")
     ap.add_argument("--no-bench", action="store_true", help="skip the benchmark")
-    ap.add_argument("--budget", type=float, default=1.0, help="seconds of timing per (implementation, N)")
+    ap.add_argument("--check-timeout", type=float, default=300, metavar="SECONDS",
+                    help="time limit for the checks of one step, then its process is killed (default: %(default)s)")
+    ap.add_argument("--check-jobs", type=int, default=4, metavar="N",
+                    help="check N steps side by side, each in its own process (default: %(default)s; 1 streams the output)")
+    ap.add_argument("--tests", type=Path, default=TESTS, help="the tests to run as checks (default: verify/tests)")
+    ap.add_argument("--out", type=Path, metavar="DIR",
+                    help="also write verify.log, the checks' junit XML (checks/) and a copy of the results JSON/PNG here")
+    from verify.bench import add_timing_args  # --warmup, --window, ...: defined beside the timer they set
+    add_timing_args(ap)
     ap.add_argument("--readme", choices=["auto", "yes", "no"], default="auto",
                     help="regenerate the README table (auto: only after a run of every step at every N)")
     ap.add_argument("--report", metavar="RESULTS_JSON",
@@ -100,40 +177,78 @@ def main(argv=None) -> int:
                     help="no GPU work: regenerate the README's list of steps from steps/*/kernel.cu")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel nvcc builds")
     args = ap.parse_args(argv)
+    if args.check_timeout <= 0:
+        ap.error(f"argument --check-timeout: must be positive, not {args.check_timeout:g}")
+    if args.check_jobs < 1:
+        ap.error(f"argument --check-jobs: must be at least 1, not {args.check_jobs}")
+    if not args.tests.exists():
+        ap.error(f"argument --tests: {args.tests} does not exist")
+    if args.report and not Path(args.report).is_file():
+        ap.error(f"argument --report: {args.report} is not a file")
 
-    from verify import bench, report
+    from verify import report
     if args.report:
         return regenerate(Path(args.report))
     if args.update_steps_table:
         return 0 if report.update_readme(ROOT / "README.md", None, None) else 1
-    steps = steps_mod.select(args.steps)
-    seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else bench.SEQLENS_OF_RECORD
-    out_env = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    global _log_file
+    if args.out:
+        (args.out / "checks").mkdir(parents=True, exist_ok=True)
+        _log_file = open(args.out / "verify.log", "w")
+    try:
+        return run(args)
+    finally:
+        if _log_file:
+            _log_file.close()
+            _log_file = None
+
+
+def run(args) -> int:
+    """Build, check, benchmark, write: the whole job (main() has read the command line)."""
+    from verify import bench, report
+    steps = args.steps or steps_mod.all_steps()
+    seqlens = args.seqlens or bench.SEQLENS_OF_RECORD
+    out, junit_dir = args.out, (args.out / "checks" if args.out else None)
+    tests = args.tests.resolve()
     t_start = time.time()
 
     log(f"[1/4] building {len(steps)} step(s) with nvcc (sm_90a): {', '.join(steps)}")
-    ptxas = steps_mod.build(steps, jobs=args.jobs, log=lambda m: log(m))
+    try:
+        ptxas = steps_mod.build(steps, jobs=args.jobs, log=lambda m: log(m))
+    except RuntimeError as e:  # nvcc's own message says what is wrong
+        log(str(e))
+        log(f"{PROG}: error: a step did not build (nvcc's output above)")
+        return 1
     for s in steps:
         for kernel, res in ptxas[s].items():
             log(f"  {s} {kernel}: {res.get('registers')} registers, {res.get('spill_stores', 0)}+{res.get('spill_loads', 0)} "
                 f"spill bytes, {res.get('stack_frame', 0)} B stack")
 
     import torch
-    checks_code, checks = 0, {s: "not run" for s in steps}
+    checks, others = {s: "not run" for s in steps}, "not run"
     if not args.no_checks:
-        log("[2/4] checking every step (pytest verify/tests)")
-        checks_code, checks = run_checks(steps, out_env)
+        shown = tests.relative_to(ROOT) if tests.is_relative_to(ROOT) else tests
+        from verify.checks import run_seed  # one seed for every step's process: the float64 references are shared
+        log(f"[2/4] checking every step ({shown}), each in a process of its own, {args.check_jobs} at a time; "
+            f"random inputs from FLASHLADDER_SEED={run_seed()}")
+        with ThreadPoolExecutor(max_workers=1) as side:  # the step-free tests run beside the steps' checks
+            others_future = side.submit(check_others, steps, args.check_timeout, junit_dir, tests, log, False)
+            checks = check_steps(steps, args.check_timeout, junit_dir, tests, jobs=args.check_jobs)
+            others = others_future.result()
+        log("  " + ", ".join(f"{s} {v}" for s, v in checks.items()) + f"; other tests {others}")
     else:
         log("[2/4] checks skipped (--no-checks)")
+    failed = [s for s, v in checks.items() if v.startswith("FAILED")]
+    code = 1 if failed or others.startswith("FAILED") else 0
 
     if args.no_bench or not torch.cuda.is_available():
         log("[3/4] benchmark skipped" + ("" if args.no_bench else ": no CUDA GPU on this machine"))
-        return checks_code
+        return code
 
     log(f"[3/4] benchmarking {len(steps)} step(s) and torch SDPA at N = {', '.join(map(str, seqlens))}")
     meta = gpu_meta()
-    impls = {s: steps_mod.load(s).attention for s in steps if checks.get(s) != "FAILED"}
-    timing = bench.run(impls, seqlens, budget_s=args.budget, log=log)
+    impls = {s: steps_mod.load(s).attention for s in steps if s not in failed}  # a hung or wrong kernel is not timed
+    timing = bench.run(impls, seqlens, timing=bench.timing_from_args(args), log=log)
     meta["clocks_after"] = smi().get("clocks", {})
 
     log("[4/4] writing results")
@@ -143,25 +258,24 @@ def main(argv=None) -> int:
     res_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = res_dir / f"{stamp}.json", res_dir / f"{stamp}.png"
     run = {"path": str(json_path.relative_to(ROOT)), "meta": meta, "steps": steps, "seqlens": seqlens,
-           "checks": checks, "ptxas": ptxas, "timings": timing["timings"], "unavailable": timing["unavailable"],
+           "checks": checks, "checks_other_tests": others, "ptxas": ptxas, **timing,
            "argv": sys.argv[1:], "seconds": round(time.time() - t_start, 1)}
     json_path.write_text(json.dumps(run, indent=1, default=str))
     report.chart(run, png_path)
-    full = steps == steps_mod.all_steps() and seqlens == bench.SEQLENS_OF_RECORD and not args.no_checks
+    full = steps == steps_mod.all_steps() and seqlens == bench.SEQLENS_OF_RECORD and not args.no_checks and not failed
     if args.readme == "yes" or (args.readme == "auto" and full):
         shutil.copyfile(png_path, ROOT / "results" / "latest.png")
         if report.update_readme(ROOT / "README.md", report.markdown_table(run), "results/latest.png"):
             log("  README.md results table regenerated")
-    if out_env:
+    if out:
         for p in (json_path, png_path):
-            shutil.copyfile(p, out_env / p.name)
-    log(f"  wrote {json_path.relative_to(ROOT)} and {png_path.name}")
+            shutil.copyfile(p, out / p.name)
+    log(f"  wrote {json_path.relative_to(ROOT)} and {png_path.name}" + (f" (copies in {out})" if out else ""))
     log("")
     log(report.console_table(run))
-    failed = [s for s, c in checks.items() if c == "FAILED"]
     if failed:
         log(f"\nCHECKS FAILED for {', '.join(failed)} (not benchmarked); see the pytest output above")
-    return checks_code
+    return code
 
 
 def regenerate(json_path: Path) -> int:

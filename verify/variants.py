@@ -6,15 +6,13 @@ Each variant folder holds a kernel.cu (e.g. a copy of steps/step06/kernel.cu wit
 folder name becomes its name. Steps given with --steps run beside them as baselines. One correctness
 check per variant (the same rules as the tests), then the median time at each N, and a table last.
 """
-import argparse
 import shutil
+import sys
 from pathlib import Path
 
-import torch
-
-from verify import bench
 from verify import steps as steps_mod
-from verify.checks import make_inputs, measure_errors
+
+PROG = "python -m verify.variants"
 
 
 def build_variant(folder: Path):
@@ -27,18 +25,28 @@ def build_variant(folder: Path):
     return name, steps_mod.ptxas_of(name)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("folders", nargs="*", type=Path)
-    ap.add_argument("--steps", help="baseline steps, e.g. 5-6")
-    ap.add_argument("--seqlens", default="4096,16384")
-    ap.add_argument("--budget", type=float, default=1.0)
-    args = ap.parse_args()
+def main(argv=None) -> int:
+    ap = steps_mod.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="*", type=Path, help="variant folders, each with a kernel.cu")
+    ap.add_argument("--steps", type=steps_mod.steps_arg, help="baseline steps, e.g. 5-6")
+    ap.add_argument("--seqlens", type=steps_mod.seqlens_arg, default=[4096, 16384], help="comma-separated N (default: 4096,16384)")
+    ap.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per (implementation, N)")
+    args = ap.parse_args(argv)
+    if not args.folders and not args.steps:
+        ap.error("nothing to run: give variant folders and/or --steps")
+    for folder in args.folders:
+        if not (folder / "kernel.cu").is_file():
+            ap.error(f"{folder} has no kernel.cu")
+    if why := steps_mod.no_gpu_reason():
+        raise SystemExit(f"{PROG}: error: {why}")
+    import torch
+
+    from verify import bench
+    from verify.checks import make_inputs, measure_errors
     names = []
     if args.steps:
-        chosen = steps_mod.select(args.steps)
-        steps_mod.build(chosen)
-        names += chosen
+        steps_mod.build(args.steps)
+        names += args.steps
     for folder in args.folders:
         name, report = build_variant(folder)
         print(f"built {name}: {report}", flush=True)
@@ -52,7 +60,7 @@ def main():
         print(f"{name}: {errors[name]}  (O rel {err.o_rel_frob:.2e}, LSE {err.lse_max_abs:.2e})", flush=True)
         if errors[name] == "ok":
             impls[name] = mod.attention
-    seqlens = [int(x) for x in args.seqlens.split(",")]
+    seqlens = args.seqlens
     res = bench.run(impls, seqlens, budget_s=args.budget)["timings"]
     print(f"\n{'':<22}" + "".join(f"{f'N={n}':>12}" for n in seqlens))
     for name in [*names, *bench.SDPA_BACKENDS]:
@@ -60,7 +68,8 @@ def main():
         print(f"{name:<22}" + "".join(f"{c['tflops']:12.1f}" if c else f"{'-':>12}" for c in cells)
               + ("" if errors.get(name, "ok") == "ok" else "  CHECK FAILED"))
     print(f"GPU: {torch.cuda.get_device_name(0)}")
+    return 0 if all(e == "ok" for e in errors.values()) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
