@@ -3,6 +3,8 @@
 Used twice, always the same way:
   * by each step's setup.py (``pip install steps/stepNN``), which puts the built package in the wheel;
   * by ``verify`` (``python -m verify``, the tests), which builds every step into ``build/dev/``.
+A step's sdist carries this file, the headers and the binding in its own ``common/`` (see ``setup_step``),
+so it builds on its own, away from the repository.
 
 Pure standard library: no torch, no numpy. A built step package is a directory
 
@@ -11,10 +13,12 @@ Pure standard library: no torch, no numpy. A built step package is a directory
         _binding.py   the shared Python binding (common/binding.py)
         _kernel.so    kernel.cu compiled for sm_90a, plain C ABI (common/flashladder.cuh)
         _ptxas.txt    the `ptxas -v` resource report: registers, shared memory, spills
+        LICENSE       the repository's license (MIT)
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -24,8 +28,9 @@ import sys
 from pathlib import Path
 
 COMMON = Path(__file__).resolve().parent
-ROOT = COMMON.parent
+ROOT = COMMON.parent  # the repository; in a step's unpacked sdist, the sdist's folder
 STEPS = ROOT / "steps"
+LICENSE = ROOT / "LICENSE"
 
 ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]  # exactly the target: wgmma/setmaxnreg need "a"
 NVCC_FLAGS = [
@@ -60,30 +65,41 @@ def find_nvcc() -> str:
     raise RuntimeError("nvcc not found: install the CUDA toolkit (>= 12.8) or set CUDA_HOME / NVCC")
 
 
+@functools.lru_cache(maxsize=None)
+def nvcc_version_text(nvcc: str) -> str:
+    """`nvcc --version` verbatim: release and build id, so a toolkit updated in place changes it."""
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+
+
 def nvcc_version(nvcc: str) -> tuple[int, int]:
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    out = nvcc_version_text(nvcc)
     m = re.search(r"release (\d+)\.(\d+)", out)
     if not m:
         raise RuntimeError(f"cannot read the version of {nvcc}:\n{out}")
     return int(m.group(1)), int(m.group(2))
 
 
+def common_files() -> list[Path]:
+    """What a step's build takes from common/: the headers, the binding, this script."""
+    return [*sorted(COMMON.glob("*.cuh")), COMMON / "binding.py", COMMON / "build_step.py"]
+
+
 def _sources(step_dir: Path) -> list[Path]:
-    return [step_dir / "kernel.cu", step_dir / "pkg" / "__init__.py",
-            *sorted(COMMON.glob("*.cuh")), COMMON / "binding.py", Path(__file__).resolve()]
+    return [step_dir / "kernel.cu", step_dir / "pkg" / "__init__.py", *common_files(), LICENSE]
 
 
 def _fingerprint(step_dir: Path, nvcc: str) -> str:
-    h = hashlib.sha256(" ".join([nvcc, *NVCC_FLAGS]).encode())
+    h = hashlib.sha256(" ".join([nvcc, *NVCC_FLAGS]).encode() + nvcc_version_text(nvcc).encode())
     for src in _sources(step_dir):
         h.update(src.name.encode() + src.read_bytes())
     return h.hexdigest()
 
 
-def compile_step(step_dir: Path, pkg_out: Path, force: bool = False) -> Path:
-    """Build the step package into `pkg_out` (a folder named after the step). Returns _kernel.so.
+def compile_step(step_dir: Path, pkg_out: Path, force: bool = False) -> bool:
+    """Build the step package into `pkg_out` (a folder named after the step).
 
-    Skips nvcc when nothing that goes into the build changed since the last build into pkg_out.
+    Skips nvcc when nothing that goes into the build (sources, flags, nvcc's path and version) changed since
+    the last build into pkg_out. Returns True if nvcc ran, False if the build there was current (cached).
     Raises RuntimeError with nvcc's output if the compile fails.
     """
     step_dir, pkg_out = Path(step_dir).resolve(), Path(pkg_out)
@@ -94,16 +110,17 @@ def compile_step(step_dir: Path, pkg_out: Path, force: bool = False) -> Path:
     so, report, stamp = pkg_out / "_kernel.so", pkg_out / "_ptxas.txt", pkg_out / ".fingerprint"
     fp = _fingerprint(step_dir, nvcc)
     if not force and so.exists() and report.exists() and stamp.exists() and stamp.read_text() == fp:
-        return so
+        return False
     shutil.copyfile(step_dir / "pkg" / "__init__.py", pkg_out / "__init__.py")
     shutil.copyfile(COMMON / "binding.py", pkg_out / "_binding.py")
+    shutil.copyfile(LICENSE, pkg_out / "LICENSE")
     cmd = [nvcc, *NVCC_FLAGS, f"-I{COMMON}", str(step_dir / "kernel.cu"), "-o", str(so)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed for {step_dir.name}:\n$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
     report.write_text(proc.stdout + proc.stderr)
     stamp.write_text(fp)
-    return so
+    return True
 
 
 def parse_ptxas(text: str) -> dict:
@@ -138,26 +155,57 @@ def _demangle(name: str) -> str:
 def setup_step(step_dir: str | Path) -> None:
     """setuptools entry point for steps/stepNN/setup.py: the wheel holds the built package."""
     from setuptools import Distribution, setup
+    from setuptools.command.bdist_wheel import bdist_wheel
     from setuptools.command.build_py import build_py
+    from setuptools.command.editable_wheel import editable_wheel
+    from setuptools.command.sdist import sdist
+    from setuptools.errors import ExecError, SetupError
 
     step_dir = Path(step_dir).resolve()
     name = step_name(step_dir)
 
     class BuildWithNvcc(build_py):
         def run(self):
-            compile_step(step_dir, Path(self.build_lib) / "flashladder" / name, force=True)
+            try:
+                compile_step(step_dir, Path(self.build_lib) / "flashladder" / name, force=True)
+            except RuntimeError as e:  # nvcc missing, too old or failing: its message, without a traceback
+                raise ExecError(str(e)) from None
             (Path(self.build_lib) / "flashladder" / name / ".fingerprint").unlink()
 
-    class BinaryDistribution(Distribution):  # the wheel carries a compiled library: platform-specific tag
+    class BinaryDistribution(Distribution):  # the wheel carries a compiled library: platform-specific
         def has_ext_modules(self):
             return True
 
-    setup(packages=[f"flashladder.{name}"], package_dir={f"flashladder.{name}": "pkg"},
-          cmdclass={"build_py": BuildWithNvcc}, distclass=BinaryDistribution)
+    class AnyPythonWheel(bdist_wheel):
+        """py3-none-<platform>: _kernel.so is loaded with ctypes, so no CPython ABI is involved."""
+        def get_tag(self):
+            return "py3", "none", super().get_tag()[2]
+
+    class NoEditable(editable_wheel):
+        def run(self):  # an editable install would import pkg/, which has no _kernel.so: refuse, saying why
+            raise SetupError(f"flashladder-{name} cannot be installed in editable mode (pip install -e): its _kernel.so "
+                             f"is compiled from kernel.cu at install time. Use `pip install steps/{name}` (again after "
+                             "each edit), or `python -m verify`, which rebuilds what changed.")
+
+    class SdistThatBuilds(sdist):
+        """The sdist carries kernel.cu and what the build takes from common/, so it builds on its own."""
+        def make_release_tree(self, base_dir, files):
+            super().make_release_tree(base_dir, files)
+            extras = {"kernel.cu": step_dir / "kernel.cu", "LICENSE": LICENSE,
+                      **{f"common/{f.name}": f for f in common_files()}}
+            for rel, src in extras.items():
+                dst = Path(base_dir) / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.unlink(missing_ok=True)  # never write through a hard link into the source tree
+                shutil.copyfile(src, dst)
+
+    setup(packages=[f"flashladder.{name}"], package_dir={f"flashladder.{name}": "pkg"}, distclass=BinaryDistribution,
+          cmdclass={"build_py": BuildWithNvcc, "bdist_wheel": AnyPythonWheel, "editable_wheel": NoEditable,
+                    "sdist": SdistThatBuilds})
 
 
 if __name__ == "__main__":  # python common/build_step.py [out_dir]: build every step, print the report
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "build" / "dev" / "flashladder"
     for step in find_steps():
-        compile_step(step, out / step_name(step))
-        print(step.name, parse_ptxas((out / step_name(step) / "_ptxas.txt").read_text()))
+        built = compile_step(step, out / step_name(step))
+        print(step.name, "built" if built else "cached", parse_ptxas((out / step_name(step) / "_ptxas.txt").read_text()))

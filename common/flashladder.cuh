@@ -18,7 +18,7 @@
 // Bumped when FwdParams or the exported functions change; the binding refuses a mismatched .so.
 #define FLASHLADDER_ABI_VERSION 2
 
-constexpr int HEAD_DIM = 128;  // the ladder's one head size (LADDER.md: fixed scope)
+constexpr int HEAD_DIM = 128;  // the ladder's one head size (docs/ladder.md: fixed scope)
 
 // Everything a forward call needs. Mirrored field by field in common/binding.py (ctypes).
 // Strides are in elements; the last dimension (HEAD_DIM) is contiguous (stride 1) for all four tensors.
