@@ -80,6 +80,12 @@ CLAIMS = [
     Claim("setmaxnreg", 10, None,
           present={"USETMAXREG.DEALLOC (setmaxnreg.dec: the producer gives registers up)": r"USETMAXREG\.DEALLOC\b",
                    "USETMAXREG.TRY_ALLOC (setmaxnreg.inc: the consumers take them)": r"USETMAXREG\.TRY_ALLOC\b"}),
+    Claim("named_barriers", 11, None,
+          present={"BAR.ARV (bar.arrive: a consumer hands the tensor cores to the other, ping-pong)": r"BAR\.ARV\b"}),
+    Claim("intra_warpgroup_overlap", 12, None,
+          present={"WARPGROUP.DEPBAR.LE gsb0, 0x1 (wgmma.wait_group 1: the softmax starts with P V in flight)":
+                   r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b"}),
+    Claim("tma_store", 14, None, present={"UTMASTG (cp.async.bulk.tensor shared -> global: the epilogue)": r"UTMASTG\b"}),
     Claim("no_local_memory", 1, None, absent={"LDL (a load from local memory)": r"LDL\b",
                                               "STL (a store to local memory)": r"STL\b"},
           counterexample=LOCAL_MEMORY_CU),
