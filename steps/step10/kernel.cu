@@ -32,6 +32,7 @@
 #include "ptx.cuh"
 #include "swizzle.cuh"
 #include "tma.cuh"
+#include "trace.cuh"
 #include "wgmma.cuh"
 
 namespace {
@@ -97,6 +98,7 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
                               const CUtensorMap& V_map) {
     const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     prefetch_tensormap(&Q_map), prefetch_tensormap(&K_map), prefetch_tensormap(&V_map);
+    TRACE_EVENT(TRACE_TMA_Q, q_tile);
     load_tile_tma<BLOCK_M>(smem.Q, &Q_map, q_tile * BLOCK_M, tma_coord(p.q_stride[1], head), tma_coord(p.q_stride[0], batch),
                            &smem.Q_full);
     const int num_kv_tiles = p.seqlen_k / BLOCK_N;
@@ -104,10 +106,16 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
         const int stage = kv_tile % STAGES;
         // The slot's n-th fill (n = kv_tile / STAGES) needs its (n-1)-th emptying: parity (n - 1) % 2.
         const uint32_t parity = (kv_tile / STAGES + 1) % 2;
+        TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
         if (kv_tile >= STAGES) mbarrier_wait_parity(&smem.K_empty[stage], parity);
+        TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
+        TRACE_EVENT(TRACE_TMA_K, kv_tile);
         load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, kv_tile * BLOCK_N, tma_coord(p.k_stride[1], head),
                                tma_coord(p.k_stride[0], batch), &smem.K_full[stage]);
+        TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
         if (kv_tile >= STAGES) mbarrier_wait_parity(&smem.V_empty[stage], parity);
+        TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
+        TRACE_EVENT(TRACE_TMA_V, kv_tile);
         load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, kv_tile * BLOCK_N, tma_coord(p.v_stride[1], head),
                                tma_coord(p.v_stride[0], batch), &smem.V_full[stage]);
     }
@@ -121,7 +129,9 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consum
     const int quad_row = lane / 4;   // this lane holds rows quad_row and quad_row + 8 of its warp's 16
     const int quad_col = lane % 4;   // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
     const int num_kv_tiles = p.seqlen_k / BLOCK_N;
+    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, q_tile);
     mbarrier_wait_parity(&smem.Q_full, 0);  // Q's one and only phase
+    TRACE_EVENT(TRACE_FULL_WAIT_END, q_tile);
 
     // This warpgroup's 64 rows of Q, at k-step 0: the A operand of S = Q K^T, K-major, 128-byte swizzle.
     const uint32_t Q_rows = smem_u32(smem.Q) + consumer * ROWS_PER_WARPGROUP * ROW_BYTES;
@@ -137,7 +147,9 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consum
         const uint32_t parity = (kv_tile / STAGES) % 2;
         const uint32_t K_tile = smem_u32(smem.K[stage]);
         const uint32_t V_tile = smem_u32(smem.V[stage]);
+        TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, kv_tile);
         mbarrier_wait_parity(&smem.K_full[stage], parity);  // K has landed (V may still be on its way)
+        TRACE_EVENT(TRACE_FULL_WAIT_END, kv_tile);
         // Step 3: S = Q K^T, [64 rows, 128 keys] per warpgroup: 8 wgmma, one per 16-wide k-step of the head
         // dim, reading Q and K straight from shared memory (no ldmatrix, no fragments in registers).
         // The next k-step starts 32 bytes further inside a swizzle atom, or in the other half.
@@ -150,12 +162,15 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consum
                                 wgmma_desc(K_tile + k_offset_kv, 16, ATOM_BYTES), kk > 0);
         }
         wgmma_commit_group();
+        TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
         wgmma_wait_group<0>();          // S is complete...
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
         wgmma_fence_operands(S_acc);    // ...and the compiler may not read it any earlier
         if (lane == 0) mbarrier_arrive(&smem.K_empty[stage]);  // this warp is done with the K tile
 
         // Step 4: the online-softmax update for this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8),
         // step07's code on the wgmma accumulator layout (the same per warp). Scores become P in place.
+        TRACE_EVENT(TRACE_SOFTMAX_BEGIN, kv_tile);
         for (int r = 0; r < 2; ++r) {
             float tile_max = -INFINITY;
             for (int nb = 0; nb < S_BLOCKS; ++nb)
@@ -187,17 +202,23 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consum
             P_frag[kk][2] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 4], S_acc[8 * kk + 5]);  // row g,   keys +8+2t
             P_frag[kk][3] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 6], S_acc[8 * kk + 7]);  // row g+8, keys +8+2t
         }
+        TRACE_EVENT(TRACE_SOFTMAX_END, kv_tile);
+        TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, kv_tile);
         mbarrier_wait_parity(&smem.V_full[stage], parity);
+        TRACE_EVENT(TRACE_FULL_WAIT_END, kv_tile);
         wgmma_fence();  // O_acc (rescaled) and P_frag were written by ordinary instructions just now
         for (int kk = 0; kk < PV_STEPS; ++kk)
             wgmma_m64n128k16_rs(O_acc, P_frag[kk], wgmma_desc(V_tile + kk * 2 * ATOM_BYTES, KV_HALF_BYTES, ATOM_BYTES), 1);
         wgmma_commit_group();
+        TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
         wgmma_wait_group<0>();          // O is complete and V's slot is no longer read...
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
         wgmma_fence_operands(O_acc);
         if (lane == 0) mbarrier_arrive(&smem.V_empty[stage]);  // this warp is done with the V tile
     }
 
     // Step 6: the row sums' quad parts added up, the final normalization, once per row, and the log-sum-exp.
+    TRACE_EVENT(TRACE_EPILOGUE_BEGIN, q_tile);
     for (int r = 0; r < 2; ++r) {
         const float l = quad_sum(l_i[r]);
         const float inv_l = 1.f / l;
@@ -209,6 +230,7 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consum
         if (quad_col == 0)
             p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
     }
+    TRACE_EVENT(TRACE_EPILOGUE_END, q_tile);
 }
 
 // The kernel: set up the barriers, then split by warpgroup into the two roles. The tensor maps are

@@ -1,9 +1,40 @@
-// HEADER PLACEHOLDER
+// flashladder step13 -- FlashAttention-4's softmax: rescale O only when the max jumps, exp2 on the FMA pipe.
+//
+// The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
+// 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
+// 10 warp specialization -> 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax -> 14 persistent.
+//
+// WHAT CHANGED FROM STEP12
+//   Two tricks from FlashAttention-4 (written for Blackwell, where the exponentials are the bottleneck),
+//   tried here on Hopper. Both change only the softmax lambdas.
+//   * Conditional rescaling. The running max is only a SHIFT that keeps the exponentials from overflowing;
+//     any shift gives the same result as long as l and O use the same one (verify/model.py proves it in
+//     float64). So the shift moves only when a row's new max exceeds it by more than RESCALE_THRESHOLD = 8
+//     (log2 units; P stays <= 2^8 in between, harmless in bf16 and fp32). Rows that keep their shift have
+//     alpha = 1, and a warp none of whose 16 rows moved skips the O rescale (64 FMUL per thread) entirely,
+//     which after the first few tiles is the common case.
+//   * exp2 on the FMA pipe. The MUFU unit computes 16 exponentials per clock per SM; the FMA pipe does 128
+//     FFMA. exp2_poly3 (common/ptx.cuh) computes 2^x from 8 FMA/ALU instructions: round, a degree-3
+//     polynomial, an exponent add; max relative error 7.5e-5, far below bf16's rounding of P (the float64
+//     tests of verify/exp2_poly.py bound it alone and inside the tiled softmax). FMA_EXP2_BLOCKS of the 16
+//     8-key blocks of each row take that path.
+//
+// PREDICTION: on Hopper at d = 128 the MUFU work of one warpgroup (about half its GEMM time) already hides
+//   under the other's GEMMs (step11-12), so moving exponentials to the FMA pipe only adds issue slots;
+//   the conditional rescale saves a little softmax time: -2% to +3%, with the best FMA share near zero.
+// ON THE WAY (results/h200/dev/2026-11-29-devcheck3-steps12-14-variants.log, burst timing, N = 1K / 4K / 16K):
+//   step12 537.1 / 656.8 / 628.6 TFLOP/s; conditional rescale alone 532.3 / 639.3 / 621.4; with exp2 on the
+//   FMA pipe for 1, 2, 4 and 8 of the 16 key blocks: 529.8 / 644.0 / 622.8, 514.1 / 593.5 / 604.0,
+//   500.9 / 600.8 / 578.4 and 469.2 / 575.1 / 570.0. Every share of FMA exponentials loses or ties, so the
+//   tuned share on the H200 is 0 (FMA_EXP2_BLOCKS = 0): the polynomial path stays in the code, one constant
+//   away, for GPUs where MUFU is the bottleneck. The conditional rescale did not pay either (within noise).
+// MEASURED: pending the next H200 run.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
 #include "swizzle.cuh"
 #include "tma.cuh"
+#include "trace.cuh"
 #include "wgmma.cuh"
 
 namespace {
@@ -81,6 +112,7 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
                               const CUtensorMap& V_map) {
     const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     prefetch_tensormap(&Q_map), prefetch_tensormap(&K_map), prefetch_tensormap(&V_map);
+    TRACE_EVENT(TRACE_TMA_Q, q_tile);
     load_tile_tma<BLOCK_M>(smem.Q, &Q_map, q_tile * BLOCK_M, tma_coord(p.q_stride[1], head), tma_coord(p.q_stride[0], batch),
                            &smem.Q_full);
     const int num_kv_tiles = p.seqlen_k / BLOCK_N;
@@ -88,10 +120,16 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
         const int stage = kv_tile % STAGES;
         // The slot's n-th fill (n = kv_tile / STAGES) needs its (n-1)-th emptying: parity (n - 1) % 2.
         const uint32_t parity = (kv_tile / STAGES + 1) % 2;
+        TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
         if (kv_tile >= STAGES) mbarrier_wait_parity(&smem.K_empty[stage], parity);
+        TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
+        TRACE_EVENT(TRACE_TMA_K, kv_tile);
         load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, kv_tile * BLOCK_N, tma_coord(p.k_stride[1], head),
                                tma_coord(p.k_stride[0], batch), &smem.K_full[stage]);
+        TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
         if (kv_tile >= STAGES) mbarrier_wait_parity(&smem.V_empty[stage], parity);
+        TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
+        TRACE_EVENT(TRACE_TMA_V, kv_tile);
         load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, kv_tile * BLOCK_N, tma_coord(p.v_stride[1], head),
                                tma_coord(p.v_stride[0], batch), &smem.V_full[stage]);
     }
@@ -109,7 +147,9 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consum
     const int num_kv_tiles = p.seqlen_k / BLOCK_N;
     const int my_turn = consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN;
     const int other_turn = consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN;
+    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, q_tile);
     mbarrier_wait_parity(&smem.Q_full, 0);  // Q's one and only phase
+    TRACE_EVENT(TRACE_FULL_WAIT_END, q_tile);
 
     // This warpgroup's 64 rows of Q, at k-step 0: the A operand of S = Q K^T, K-major, 128-byte swizzle.
     const uint32_t Q_rows = smem_u32(smem.Q) + consumer * ROWS_PER_WARPGROUP * ROW_BYTES;
@@ -197,56 +237,85 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consum
     float alpha[2];             // this tile's rescale factors of rows quad_row, quad_row + 8
 
     // Block 0: S = Q K^T of tile 0 alone.
+    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, 0);
     mbarrier_wait_parity(&smem.K_full[0], 0);
+    TRACE_EVENT(TRACE_FULL_WAIT_END, 0);
+    TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, 0);
     named_barrier_sync(my_turn, TURN_THREADS);
+    TRACE_EVENT(TRACE_TURN_WAIT_END, 0);
     wgmma_fence();
     issue_qk(S_acc, 0);
     wgmma_commit_group();
     named_barrier_arrive(other_turn, TURN_THREADS);
+    TRACE_EVENT(TRACE_GEMM_ISSUED, 0);
     wgmma_wait_group<0>();
+    TRACE_EVENT(TRACE_GEMM_WAITED_ALL, 0);
     wgmma_fence_operands(S_acc);
     if (lane == 0) mbarrier_arrive(&smem.K_empty[0]);  // this warp is done with the K tile
+    TRACE_EVENT(TRACE_SOFTMAX_BEGIN, 0);
     softmax(S_acc, alpha);
+    TRACE_EVENT(TRACE_SOFTMAX_END, 0);
+    TRACE_EVENT(TRACE_RESCALE_BEGIN, 0);
     rescale_o_and_make_p(S_acc, alpha);
+    TRACE_EVENT(TRACE_RESCALE_END, 0);
 
     // Blocks 1 .. n-1: S = Q K^T of tile j FIRST, then O += P V of tile j-1, as two commit groups. The
     // softmax of tile j needs only the first: it starts as soon as S is done (wait_group<1>) and runs while
     // the tensor cores still work on this warpgroup's own P V (and then on the other consumer's block).
     for (int kv_tile = 1; kv_tile < num_kv_tiles; ++kv_tile) {
         const int stage = kv_tile % STAGES, prev_stage = (kv_tile - 1) % STAGES;
+        TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, kv_tile);
         mbarrier_wait_parity(&smem.K_full[stage], parity(kv_tile));
         mbarrier_wait_parity(&smem.V_full[prev_stage], parity(kv_tile - 1));
+        TRACE_EVENT(TRACE_FULL_WAIT_END, kv_tile);
+        TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, kv_tile);
         named_barrier_sync(my_turn, TURN_THREADS);
+        TRACE_EVENT(TRACE_TURN_WAIT_END, kv_tile);
         wgmma_fence();  // O_acc (rescaled), P_frag and S_acc were last touched by ordinary instructions
         issue_qk(S_acc, stage);
         wgmma_commit_group();
         issue_pv(prev_stage);
         wgmma_commit_group();
         named_barrier_arrive(other_turn, TURN_THREADS);
+        TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
+        TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
         wgmma_wait_group<1>();          // S is complete (P V may still run)...
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL_BUT_1, kv_tile);
         wgmma_fence_operands(S_acc);    // ...and the compiler may not read S any earlier
         if (lane == 0) mbarrier_arrive(&smem.K_empty[stage]);  // this warp is done with the K tile
+        TRACE_EVENT(TRACE_SOFTMAX_BEGIN, kv_tile);
         softmax(S_acc, alpha);          // under the tensor cores' P V
+        TRACE_EVENT(TRACE_SOFTMAX_END, kv_tile);
         wgmma_wait_group<0>();          // P V is complete: O and P_frag are free again
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
         wgmma_fence_operands(O_acc);
         if (lane == 0) mbarrier_arrive(&smem.V_empty[prev_stage]);  // ... and so is the previous V tile
+        TRACE_EVENT(TRACE_RESCALE_BEGIN, kv_tile);
         rescale_o_and_make_p(S_acc, alpha);
+        TRACE_EVENT(TRACE_RESCALE_END, kv_tile);
     }
 
     // Block n: O += P V of the last tile alone. Consumer 1 hands no turn over after it: consumer 0 has no
     // block left, and an arrival nobody waits for would leave the barrier half-counted at exit.
     const int last = num_kv_tiles - 1;
+    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, num_kv_tiles);
     mbarrier_wait_parity(&smem.V_full[last % STAGES], parity(last));
+    TRACE_EVENT(TRACE_FULL_WAIT_END, num_kv_tiles);
+    TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, num_kv_tiles);
     named_barrier_sync(my_turn, TURN_THREADS);
+    TRACE_EVENT(TRACE_TURN_WAIT_END, num_kv_tiles);
     wgmma_fence();
     issue_pv(last % STAGES);
     wgmma_commit_group();
     if (consumer == 0) named_barrier_arrive(other_turn, TURN_THREADS);
+    TRACE_EVENT(TRACE_GEMM_ISSUED, num_kv_tiles);
     wgmma_wait_group<0>();
+    TRACE_EVENT(TRACE_GEMM_WAITED_ALL, num_kv_tiles);
     wgmma_fence_operands(O_acc);
     if (lane == 0) mbarrier_arrive(&smem.V_empty[last % STAGES]);
 
     // Step 6: the row sums' quad parts added up, the final normalization, once per row, and the log-sum-exp.
+    TRACE_EVENT(TRACE_EPILOGUE_BEGIN, q_tile);
     for (int r = 0; r < 2; ++r) {
         const float l = quad_sum(l_i[r]);
         const float inv_l = 1.f / l;
@@ -258,6 +327,7 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consum
         if (quad_col == 0)
             p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
     }
+    TRACE_EVENT(TRACE_EPILOGUE_END, q_tile);
 }
 
 // The kernel: set up the barriers, then split by warpgroup into the two roles. The tensor maps are

@@ -31,6 +31,7 @@
 #include "ptx.cuh"
 #include "swizzle.cuh"
 #include "tma.cuh"
+#include "trace.cuh"
 #include "wgmma.cuh"
 
 namespace {
@@ -125,17 +126,26 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
     int kv_count = 0, iteration = 0;
     for (int t = blockIdx.x; t < num_work_tiles(p); t += gridDim.x, ++iteration) {
         const WorkTile w = work_tile(t, p);
+        TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, t);
         if (iteration > 0) mbarrier_wait_parity(&smem.Q_empty, (iteration - 1) % 2);
+        TRACE_EVENT(TRACE_EMPTY_WAIT_END, t);
+        TRACE_EVENT(TRACE_TMA_Q, t);
         load_tile_tma<BLOCK_M>(smem.Q, &Q_map, w.q_tile * BLOCK_M, tma_coord(p.q_stride[1], w.head),
                                tma_coord(p.q_stride[0], w.batch), &smem.Q_full);
         for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile, ++kv_count) {
             const int stage = kv_count % STAGES;
             // The slot's n-th fill (n = kv_count / STAGES) needs its (n-1)-th emptying: parity (n - 1) % 2.
             const uint32_t parity = (kv_count / STAGES + 1) % 2;
+            TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
             if (kv_count >= STAGES) mbarrier_wait_parity(&smem.K_empty[stage], parity);
+            TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
+            TRACE_EVENT(TRACE_TMA_K, kv_tile);
             load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, kv_tile * BLOCK_N, tma_coord(p.k_stride[1], w.head),
                                    tma_coord(p.k_stride[0], w.batch), &smem.K_full[stage]);
+            TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
             if (kv_count >= STAGES) mbarrier_wait_parity(&smem.V_empty[stage], parity);
+            TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
+            TRACE_EVENT(TRACE_TMA_V, kv_tile);
             load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, kv_tile * BLOCK_N, tma_coord(p.v_stride[1], w.head),
                                    tma_coord(p.v_stride[0], w.batch), &smem.V_full[stage]);
         }
@@ -243,7 +253,9 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
     m_i[0] = m_i[1] = -INFINITY;
     l_i[0] = l_i[1] = 0.f;
     for (int i = 0; i < O_BLOCKS * 4; ++i) O_acc[i] = 0.f;
+    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, t);
     mbarrier_wait_parity(&smem.Q_full, iteration % 2);  // this tile's Q
+    TRACE_EVENT(TRACE_FULL_WAIT_END, t);
 
     // Step 3: the GEMM blocks, each on this consumer's turn: wait for the turn, issue, hand the turn over
     // once the block is issued, then wait for the block and do the softmax while the other consumer's
@@ -251,17 +263,27 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
     if (consumer == 1) named_barrier_arrive(CONSUMER0_TURN, TURN_THREADS);
 
     // Block 0: S = Q K^T of tile 0 alone.
+    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, 0);
     mbarrier_wait_parity(&smem.K_full[kv_count % STAGES], parity(kv_count));
+    TRACE_EVENT(TRACE_FULL_WAIT_END, 0);
+    TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, 0);
     named_barrier_sync(my_turn, TURN_THREADS);
+    TRACE_EVENT(TRACE_TURN_WAIT_END, 0);
     wgmma_fence();
     issue_qk(S_acc, kv_count % STAGES);
     wgmma_commit_group();
     named_barrier_arrive(other_turn, TURN_THREADS);
+    TRACE_EVENT(TRACE_GEMM_ISSUED, 0);
     wgmma_wait_group<0>();
+    TRACE_EVENT(TRACE_GEMM_WAITED_ALL, 0);
     wgmma_fence_operands(S_acc);
     if (lane == 0) mbarrier_arrive(&smem.K_empty[kv_count % STAGES]);  // this warp is done with the K tile
+    TRACE_EVENT(TRACE_SOFTMAX_BEGIN, 0);
     softmax(S_acc, alpha);
+    TRACE_EVENT(TRACE_SOFTMAX_END, 0);
+    TRACE_EVENT(TRACE_RESCALE_BEGIN, 0);
     rescale_o_and_make_p(S_acc, alpha);
+    TRACE_EVENT(TRACE_RESCALE_END, 0);
 
     // Blocks 1 .. n-1: S = Q K^T of tile j FIRST, then O += P V of tile j-1, as two commit groups. The
     // softmax of tile j needs only the first: it starts as soon as S is done (wait_group<1>) and runs while
@@ -269,23 +291,35 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
     for (int kv_tile = 1; kv_tile < num_kv_tiles; ++kv_tile) {
         const int count = kv_count + kv_tile;
         const int stage = count % STAGES, prev_stage = (count - 1) % STAGES;
+        TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, kv_tile);
         mbarrier_wait_parity(&smem.K_full[stage], parity(count));
         mbarrier_wait_parity(&smem.V_full[prev_stage], parity(count - 1));
+        TRACE_EVENT(TRACE_FULL_WAIT_END, kv_tile);
+        TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, kv_tile);
         named_barrier_sync(my_turn, TURN_THREADS);
+        TRACE_EVENT(TRACE_TURN_WAIT_END, kv_tile);
         wgmma_fence();  // O_acc (rescaled), P_frag and S_acc were last touched by ordinary instructions
         issue_qk(S_acc, stage);
         wgmma_commit_group();
         issue_pv(prev_stage);
         wgmma_commit_group();
         named_barrier_arrive(other_turn, TURN_THREADS);
+        TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
+        TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
         wgmma_wait_group<1>();          // S is complete (P V may still run)...
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL_BUT_1, kv_tile);
         wgmma_fence_operands(S_acc);    // ...and the compiler may not read S any earlier
         if (lane == 0) mbarrier_arrive(&smem.K_empty[stage]);  // this warp is done with the K tile
+        TRACE_EVENT(TRACE_SOFTMAX_BEGIN, kv_tile);
         softmax(S_acc, alpha);          // under the tensor cores' P V
+        TRACE_EVENT(TRACE_SOFTMAX_END, kv_tile);
         wgmma_wait_group<0>();          // P V is complete: O and P_frag are free again
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
         wgmma_fence_operands(O_acc);
         if (lane == 0) mbarrier_arrive(&smem.V_empty[prev_stage]);  // ... and so is the previous V tile
+        TRACE_EVENT(TRACE_RESCALE_BEGIN, kv_tile);
         rescale_o_and_make_p(S_acc, alpha);
+        TRACE_EVENT(TRACE_RESCALE_END, kv_tile);
     }
 
     // Block n: O += P V of the last tile alone. Consumer 1 hands no turn over after it: consumer 0 has no
@@ -293,13 +327,19 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
     // Every S = Q K^T of this tile has completed: the producer may load the next tile's Q.
     if (lane == 0) mbarrier_arrive(&smem.Q_empty);
     const int last = kv_count + num_kv_tiles - 1;
+    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, num_kv_tiles);
     mbarrier_wait_parity(&smem.V_full[last % STAGES], parity(last));
+    TRACE_EVENT(TRACE_FULL_WAIT_END, num_kv_tiles);
+    TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, num_kv_tiles);
     named_barrier_sync(my_turn, TURN_THREADS);
+    TRACE_EVENT(TRACE_TURN_WAIT_END, num_kv_tiles);
     wgmma_fence();
     issue_pv(last % STAGES);
     wgmma_commit_group();
     if (consumer == 0) named_barrier_arrive(other_turn, TURN_THREADS);
+    TRACE_EVENT(TRACE_GEMM_ISSUED, num_kv_tiles);
     wgmma_wait_group<0>();
+    TRACE_EVENT(TRACE_GEMM_WAITED_ALL, num_kv_tiles);
     wgmma_fence_operands(O_acc);
     if (lane == 0) mbarrier_arrive(&smem.V_empty[last % STAGES]);
     kv_count += num_kv_tiles;
@@ -308,6 +348,7 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
     // TMA's swizzled layout, and one thread stores it with two bulk tensor copies (one per 64-column half):
     // the copies run on while the warpgroup starts its next work tile. Before the tile is overwritten, the
     // previous tile's store must have read it. LSE goes straight to global memory as before.
+    TRACE_EVENT(TRACE_EPILOGUE_BEGIN, t);
     __nv_bfloat16* O_tile = smem.O[consumer];
     if (elected) cp_async_bulk_wait_group_read<0>();
     named_barrier_sync(epilogue_barrier, 128);  // the whole warpgroup knows O_tile is free
@@ -331,6 +372,7 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
         cp_async_bulk_tensor_4d_shared_to_global(&O_map, 64, row0, head, batch, O_tile + ROWS_PER_WARPGROUP * 64);
         cp_async_bulk_commit_group();
     }
+    TRACE_EVENT(TRACE_EPILOGUE_END, t);
     }  // work tiles
     if (elected) cp_async_bulk_wait_group<0>();  // the last stores are done before the CTA (and its smem) goes
 }
