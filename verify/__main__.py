@@ -36,11 +36,15 @@ PROG = "python -m verify"
 _log_file = None  # <--out>/verify.log while a run writes one
 
 
+_log_lock = threading.Lock()  # steps are checked side by side: one message at a time, whole
+
+
 def log(msg: str = "") -> None:
-    print(msg, flush=True)
-    if _log_file:
-        _log_file.write(msg + "\n")
-        _log_file.flush()
+    with _log_lock:
+        print(msg, flush=True)
+        if _log_file:
+            _log_file.write(msg + "\n")
+            _log_file.flush()
 
 
 def gpu_meta() -> dict:

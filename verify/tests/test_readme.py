@@ -14,7 +14,7 @@ def test_readme_lists_every_step():
 
 def test_readme_commands_exist():
     text = (ROOT / "README.md").read_text()
-    for cmd in ("nox --no-venv -s verify", "nox -s tests", "python -m verify", "pip install steps/step0"):
+    for cmd in ("nox --no-venv -s verify", "nox -s tests", "python -m verify", "pip install steps/step"):
         assert cmd in text, f"README.md no longer shows `{cmd}`"
     noxfile = (ROOT / "noxfile.py").read_text()
     assert "def tests(" in noxfile and "def verify(" in noxfile
