@@ -16,8 +16,8 @@
 //
 // PREDICTION: with 8 warps per block and ~1-2 blocks per SM there is little else to hide a tile load
 //   behind, so taking the loads off the critical path should pay well: +15-30%.
-// MEASURED (results/h200/2026-11-29T10-34-41Z.json, H200, N = 4K / 8K / 16K):
-//   217.4 / 226.4 / 230.8 -> 245.1 / 249.2 / 251.2 TFLOP/s
+// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   218.6 / 227.5 / 232.1 -> 246.6 / 250.6 / 253.2 TFLOP/s
 //   (1.13 / 1.10 / 1.09x), at the low end of the prediction: with one 8-warp block per SM (241
 //   registers) the warps still run in lock-step between barriers, and the tensor pipe idles while all of
 //   them do their softmax at once (ncu on the first draft of step06, which had this step's 8-warp

@@ -21,7 +21,9 @@
 // PREDICTION: ~1.15-1.2x step06, FlashAttention-2's level (~1.0x SDPA's FLASH backend). On the way to
 //   this step (results/h200/exploration/variants1.log, variants4.log, NOTES.md), 16 rows per warp ran at
 //   301 / 310 TFLOP/s at N = 4K / 16K and this tiling, rolled and spill-free, at 359 / 360.
-// MEASURED: pending the next H200 run.
+// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   309.6 / 316.4 / 319.6 -> 351.7 / 360.1 / 362.2 TFLOP/s (1.14 / 1.14 / 1.13x step06), 1.01 / 1.03 / 1.02x
+//   SDPA's FLASH backend in the same run: FlashAttention-2's level, as predicted.
 //
 // BEFORE THE SPLIT (results/h200/2026-11-29T10-34-41Z.json, H200, N = 4K / 8K / 16K): this kernel was
 //   step06 and ran at 358.8 / 363.5 / 368.5 TFLOP/s, 1.02 / 1.02 / 1.03x SDPA's FLASH backend.

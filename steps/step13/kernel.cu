@@ -19,7 +19,8 @@
 //     tests of verify/exp2_poly.py bound it alone and inside the tiled softmax). FMA_EXP2_BLOCKS of the 16
 //     8-key blocks of each row take that path.
 //
-// PREDICTION: on Hopper at d = 128 the MUFU work of one warpgroup (about half its GEMM time) already hides
+// PREDICTION: none was written down before this step's first measurement (the sweep below came first). The
+//   arithmetic says the same: on Hopper at d = 128 the MUFU work of one warpgroup (about half its GEMM time) already hides
 //   under the other's GEMMs (step11-12), so moving exponentials to the FMA pipe only adds issue slots;
 //   the conditional rescale saves a little softmax time: -2% to +3%, with the best FMA share near zero.
 // ON THE WAY (results/h200/dev/2026-11-29-devcheck3-steps12-14-variants.log, burst timing, N = 1K / 4K / 16K):
@@ -28,7 +29,9 @@
 //   500.9 / 600.8 / 578.4 and 469.2 / 575.1 / 570.0. Every share of FMA exponentials loses or ties, so the
 //   tuned share on the H200 is 0 (FMA_EXP2_BLOCKS = 0): the polynomial path stays in the code, one constant
 //   away, for GPUs where MUFU is the bottleneck. The conditional rescale did not pay either (within noise).
-// MEASURED: pending the next H200 run.
+// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   615.3 / 630.3 / 638.8 -> 613.0 / 629.6 / 638.9 TFLOP/s (1.00x at each N): no gain, no loss beyond noise.
+//   Neither trick pays on this GPU at this head dim; this step is the record of that.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
