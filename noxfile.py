@@ -11,14 +11,15 @@ nox.options.sessions = ["tests"]
 REQUIREMENTS = ("-r", "requirements-verify.txt")
 TORCH_CI = "torch==2.13.0"  # CI's pin: its machine has this (CPU) wheel on disk
 SETUPTOOLS = "setuptools>=77"  # the steps' build backend, for the packaging tests (as in steps/*/pyproject.toml)
-CUOBJDUMP = "nvidia-cuda-cuobjdump"  # the disassembler for verify/tests/test_sass.py (CI's toolkit may lack it)
+CUOBJDUMP = ["nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"]  # the disassembler (cuobjdump -sass runs nvdisasm) for
+#                                                                  verify/tests/test_sass.py: CI's toolkit may lack both
 
 
 @nox.session
 def tests(session):
     """CPU-safe test suite: numerics model, every step compiled with nvcc, packaging, bad-input errors; GPU checks skip."""
     if session.venv_backend != "none":
-        session.install(TORCH_CI, *REQUIREMENTS, SETUPTOOLS, CUOBJDUMP)
+        session.install(TORCH_CI, *REQUIREMENTS, SETUPTOOLS, *CUOBJDUMP)
     session.run("python", "-m", "pytest", *session.posargs)
 
 

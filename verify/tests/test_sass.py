@@ -137,14 +137,21 @@ def cuobjdump() -> str:
     tool = find_cuobjdump()
     if tool is None:
         pytest.fail("cuobjdump not found (on PATH, under CUDA_HOME, beside nvcc, or from the nvidia-cuda-cuobjdump "
-                    "wheel): `pip install nvidia-cuda-cuobjdump`, or install the CUDA toolkit's cuobjdump",
+                    "wheel): `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`, or install the CUDA toolkit's cuobjdump",
                     pytrace=False)
     return tool
 
 
+def run_cuobjdump(tool: str, binary: str) -> subprocess.CompletedProcess:
+    """`cuobjdump -sass BINARY`. cuobjdump calls nvdisasm, which it looks for on PATH only: the directory of
+    the cuobjdump found goes first on PATH (the nvidia-cuda-nvdisasm wheel puts nvdisasm beside it)."""
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(tool).parent), os.environ.get("PATH", "")])}
+    return subprocess.run([tool, "-sass", binary], capture_output=True, text=True, env=env)
+
+
 @functools.lru_cache(maxsize=None)
 def _sass(tool: str, binary: str, mtime_ns: int) -> tuple[Instruction, ...]:
-    proc = subprocess.run([tool, "-sass", binary], capture_output=True, text=True)
+    proc = run_cuobjdump(tool, binary)
     assert proc.returncode == 0, f"{tool} -sass {binary} failed:\n{proc.stdout}{proc.stderr}"
     sass = parse_sass(proc.stdout)
     # An empty parse would make every "absent" part of a claim pass: refuse it.

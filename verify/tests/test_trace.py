@@ -24,7 +24,7 @@ import pytest
 from verify import steps as steps_mod
 from verify import trace
 from verify.tests.conftest import has_cuda_gpu, needs_gpu, selected_steps
-from verify.tests.test_sass import find_cuobjdump, parse_sass
+from verify.tests.test_sass import find_cuobjdump, parse_sass, run_cuobjdump
 
 build_step = steps_mod.build_step
 
@@ -125,7 +125,7 @@ def strip_trace(source: str) -> str:
 
 
 def sass(tool: str, binary: Path) -> list[tuple[str, str, str]]:
-    proc = subprocess.run([tool, "-sass", str(binary)], capture_output=True, text=True)
+    proc = run_cuobjdump(tool, str(binary))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The anonymous namespace's mangled name hashes the source's path: drop the hash.
     out = [(re.sub(r"_GLOBAL__N__[0-9a-f]+_", "_GLOBAL__N__", i.function), i.address, i.text) for i in parse_sass(proc.stdout)]
