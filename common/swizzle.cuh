@@ -10,8 +10,8 @@
 // 8 different r % 8, so their chunks land at 8 different positions within one 128-byte span: 32
 // distinct banks, one wavefront. The XOR is its own inverse and stays inside the row, so writers and
 // readers only have to agree on this one function. (Hopper's TMA/wgmma "128B swizzle" is the same idea
-// for rows of at most 128 bytes -- it XORs address bits 4-6 with bits 7-9 -- so the TMA steps will
-// split a 256-byte row into two 64-element halves rather than reuse this layout as is.)
+// for rows of at most 128 bytes -- it XORs address bits 4-6 with bits 7-9 -- so the TMA steps split a
+// 256-byte row into two 64-element halves: swizzle_tma_128b below.)
 //
 // col must be a multiple of 8 elements (16 bytes) plus an offset inside the chunk (col % 8).
 template <int ROW_ELEMS>

@@ -1,4 +1,4 @@
-// flashladder/common/tma.cuh -- the Tensor Memory Accelerator: bulk tensor copies global -> shared (sm_90).
+// flashladder/common/tma.cuh -- the Tensor Memory Accelerator: bulk tensor copies global <-> shared (sm_90).
 //
 // One thread describes a whole tile ("box") by its coordinates in a tensor map; the TMA unit copies it,
 // applies the shared-memory swizzle, and counts the bytes off an mbarrier (common/mbarrier.cuh). No
