@@ -204,6 +204,8 @@ def bind_step(module_name: str):
     step = module_name.rsplit(".", 1)[-1]
     lib = _load_library(Path(sys.modules[module_name].__file__).resolve().parent / "_kernel.so")
     seqlen_multiple = (lib.flashladder_seqlen_multiple_q(), lib.flashladder_seqlen_multiple_k())  # (q, k/v)
+    # The work tiles (q, k/v): exported by a step that takes any seqlen, else the multiples (common/flashladder.cuh).
+    tile = ((lib.flashladder_tile_q(), lib.flashladder_tile_k()) if hasattr(lib, "flashladder_tile_q") else seqlen_multiple)
 
     def launch(q, k, v, o, lse, scale: float) -> None:
         if q.numel() == 0:  # batch, heads or seqlen_q is 0: nothing to compute (as SDPA: empty outputs)
@@ -268,6 +270,7 @@ def bind_step(module_name: str):
 
     attention.__module__ = attention_out.__module__ = module_name
     info = {"step": step, "seqlen_multiple_q": seqlen_multiple[0], "seqlen_multiple_k": seqlen_multiple[1],
+            "tile_q": tile[0], "tile_k": tile[1],
             "library": lib._name,
             "ptxas_report": (Path(lib._name).parent / "_ptxas.txt").read_text()
             if (Path(lib._name).parent / "_ptxas.txt").exists() else ""}

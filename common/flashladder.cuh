@@ -43,6 +43,8 @@ __device__ __forceinline__ T* row_ptr(T* base, const int64_t stride[3], int batc
 }
 
 // ---- exported alongside each step's own flashladder_fwd, flashladder_seqlen_multiple_q/_k ----
+// (A step whose seqlen multiples are 1 -- it takes any length -- also exports flashladder_tile_q/_k, its work
+// tiles: the tests size their cases in tiles. For the other steps the tiles are the multiples.)
 // (each step's .so is built from exactly one translation unit, its kernel.cu, so these are defined once)
 FLASHLADDER_EXPORT int flashladder_abi_version() { return FLASHLADDER_ABI_VERSION; }
 // The binding compares this with ctypes.sizeof of its mirror of FwdParams when it loads the library.

@@ -198,8 +198,8 @@ def record(step: str, shape: tuple[int, int, int], raw_path: Path) -> None:
     binding = sys.modules[f"flashladder.{step}._binding"]
     raw = {"format": FORMAT, "step": step, "shape": list(shape), "gpu": torch.cuda.get_device_name(),
            "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
-           "work_tiles": seqlen // mod.info["seqlen_multiple_q"] * heads * batch,
-           "kv_tiles": seqlen // mod.info["seqlen_multiple_k"],
+           "work_tiles": -(-seqlen // mod.info["tile_q"]) * heads * batch,
+           "kv_tiles": -(-seqlen // mod.info["tile_k"]),
            "untraced_us": time_untraced(binding, steps_mod.DEV / "flashladder" / step / "_kernel.so", q, k, v),
            "events_per_warp": per_warp, "attempted": {str(w): n for w, n in enumerate(counts) if n},
            "columns": COLUMNS, "events": rows}

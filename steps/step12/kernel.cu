@@ -18,6 +18,16 @@
 //       step11:  issue [PV j-1, S j] -> wait all -> softmax j (max, exp, rescale O, P)
 //       step12:  issue [S j][PV j-1] -> wait S   -> softmax j (max, exp) -> wait PV -> rescale O, P
 //
+// WHAT THE SASS SHOWS: less than the above. ptxas moves the wait for P V (WARPGROUP.DEPBAR.LE gsb0, 0x0) up
+//   to just after the row max, so the exponentials, the row sums and the O rescale run after the P V has
+//   completed: only the max and its shuffles overlap it. What this step gains comes from S arriving first.
+//   Keeping the wait below the softmax (step13's one-line fence) does make the exponentials overlap as
+//   written, and here it is SLOWER (results/h200/dev/2026-11-29-wait-pinned-fence.log, N = 4K / 16K:
+//   612.5 / 637.5 -> 592.8 / 616.5 TFLOP/s): the unconditional O rescale, 64 FMUL per thread, then waits
+//   for the P V alone, where ptxas's order had hidden it among the exponentials. It pays from step13 on,
+//   where the rescale is rare. (The traced build of verify/trace.py could not show this: its own event
+//   writes keep ptxas from moving the wait, so its timeline draws the overlap the source describes.)
+//
 // PREDICTION: the exponentials of one warpgroup now overlap its own P V as well as the other consumer's
 //   block, so even when the two consumers drift into step with each other the tensor cores have work:
 //   +5-10% over step11.

@@ -1,4 +1,4 @@
-// flashladder step14 -- persistent kernel: a tile scheduler, and an epilogue through shared memory + TMA store.
+// flashladder step14 -- persistent kernel: a tile scheduler, an epilogue through shared memory + TMA store, any seqlen.
 //
 // The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
@@ -21,6 +21,11 @@
 //     the warpgroup starts its next tile; before overwriting its output tile it waits for the previous
 //     store to have READ it (cp.async.bulk.wait_group.read). The ping-pong turn protocol restarts with
 //     every tile (consumer 1 hands consumer 0 the first turn each time).
+//   * Any sequence length, for q and k/v alike: the final kernel goes into real models, whose lengths are
+//     rarely multiples of 128. Work tiles and K/V tiles are counted with a ceiling; the TMA unit fills a
+//     load's rows past the end with zeros and leaves a store's rows past seqlen_q out. So two lines of
+//     math change: the scores of the last K/V tile past seqlen_k become -inf before its softmax (the zero
+//     keys would score 0, not nothing), and the LSE store skips rows past seqlen_q.
 //   Shared memory: Q 32 KB + K/V ring 128 KB + output 32 KB = 192 KB.
 //
 // PREDICTION: the start-up and tail per tile are small next to 32-128 K/V tiles of work at N = 4K-16K,
@@ -92,14 +97,15 @@ constexpr int TURN_THREADS = NUM_CONSUMERS * 128;
 // The tile scheduler. Work tile t is (q_tile, head, batch), q_tile fastest: the CTAs that run at the same time
 // work on the same (batch, head), so its K and V are read from HBM once and then served from L2. The grid
 // has one CTA per SM, and CTA b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ...
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 struct WorkTile {
     int q_tile, head, batch;
 };
 __device__ __forceinline__ WorkTile work_tile(int t, const FwdParams& p) {
-    const int q_tiles = p.seqlen_q / BLOCK_M;
+    const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M);
     return {t % q_tiles, t / q_tiles % p.heads, t / q_tiles / p.heads};
 }
-__host__ __device__ __forceinline__ int num_work_tiles(const FwdParams& p) { return p.seqlen_q / BLOCK_M * p.heads * p.batch; }
+__host__ __device__ __forceinline__ int num_work_tiles(const FwdParams& p) { return ceil_div(p.seqlen_q, BLOCK_M) * p.heads * p.batch; }
 
 // One thread asks the TMA unit for a [ROWS, HEAD_DIM] tile starting at `row` of (head, batch): two boxes of
 // [ROWS, 64] (the two swizzled halves), both completing on `bar`, which first learns how many bytes to expect.
@@ -127,7 +133,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUtensorMap& Q_map, const CUtensorMap& K_map,
                               const CUtensorMap& V_map) {
     prefetch_tensormap(&Q_map), prefetch_tensormap(&K_map), prefetch_tensormap(&V_map);
-    const int num_kv_tiles = p.seqlen_k / BLOCK_N;
+    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);  // the last one may be partial: TMA fills zeros
     int kv_count = 0, iteration = 0;
     for (int t = blockIdx.x; t < num_work_tiles(p); t += gridDim.x, ++iteration) {
         const WorkTile w = work_tile(t, p);
@@ -145,13 +151,14 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
             if (kv_count >= STAGES) mbarrier_wait_parity(&smem.K_empty[stage], parity);
             TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
             TRACE_EVENT(TRACE_TMA_K, kv_tile);
-            load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, kv_tile * BLOCK_N, tma_coord(p.k_stride[1], w.head),
+            const int row = (num_kv_tiles - 1 - kv_tile) * BLOCK_N;  // the last (maybe partial) tile first
+            load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, row, tma_coord(p.k_stride[1], w.head),
                                    tma_coord(p.k_stride[0], w.batch), &smem.K_full[stage]);
             TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
             if (kv_count >= STAGES) mbarrier_wait_parity(&smem.V_empty[stage], parity);
             TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
             TRACE_EVENT(TRACE_TMA_V, kv_tile);
-            load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, kv_tile * BLOCK_N, tma_coord(p.v_stride[1], w.head),
+            load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, row, tma_coord(p.v_stride[1], w.head),
                                    tma_coord(p.v_stride[0], w.batch), &smem.V_full[stage]);
         }
     }
@@ -165,7 +172,7 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
     const int warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;  // warp 0-7 among the consumers
     const int quad_row = lane / 4;   // this lane holds rows quad_row and quad_row + 8 of its warp's 16
     const int quad_col = lane % 4;   // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
-    const int num_kv_tiles = p.seqlen_k / BLOCK_N;
+    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);  // the last one may be partial: TMA fills zeros
     const int my_turn = consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN;
     const int other_turn = consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN;
     const int epilogue_barrier = consumer == 0 ? EPILOGUE0 : EPILOGUE1;
@@ -195,6 +202,17 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
         const uint32_t V_tile = smem_u32(smem.V[stage]);
         for (int kk = 0; kk < PV_STEPS; ++kk)
             wgmma_m64n128k16_rs(O_acc, P_frag[kk], wgmma_desc(V_tile + kk * 2 * ATOM_BYTES, KV_HALF_BYTES, ATOM_BYTES), 1);
+    };
+    // Any seqlen_k: the last K/V tile may hold fewer than BLOCK_N keys. TMA filled the rest of its K and V with
+    // zeros; their scores (0, not -inf) must not count, so they become -inf before the softmax (2^-inf = 0).
+    // The producer loads that tile FIRST, so only block 0 below masks: inside the loop the compiler would
+    // turn the mask into 128 predicated instructions run on every tile.
+    const int last_tile_keys = p.seqlen_k - (num_kv_tiles - 1) * BLOCK_N;  // 1 .. BLOCK_N
+    auto mask_past_seqlen_k = [&](float (&S)[S_BLOCKS * 4]) {
+        if (last_tile_keys == BLOCK_N) return;
+        for (int nb = 0; nb < S_BLOCKS; ++nb)
+            for (int i = 0; i < 4; ++i)  // S[4 nb + i] is key 8 nb + 2 quad_col + i % 2 (common/wgmma.cuh)
+                if (8 * nb + 2 * quad_col + i % 2 >= last_tile_keys) S[4 * nb + i] = -INFINITY;
     };
     // The softmax in two halves. First the online-softmax update of this lane's two rows (r = 0: quad_row,
     // r = 1: quad_row + 8) on S alone: the new max, the probabilities in place, the row sums; it returns each
@@ -283,6 +301,7 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
     TRACE_EVENT(TRACE_GEMM_WAITED_ALL, 0);
     wgmma_fence_operands(S_acc);
     if (lane == 0) mbarrier_arrive(&smem.K_empty[kv_count % STAGES]);  // this warp is done with the K tile
+    mask_past_seqlen_k(S_acc);  // block 0 holds the last K/V tile (the producer loads it first)
     TRACE_EVENT(TRACE_SOFTMAX_BEGIN, 0);
     softmax(S_acc, alpha);
     TRACE_EVENT(TRACE_SOFTMAX_END, 0);
@@ -316,7 +335,8 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
         wgmma_fence_operands(S_acc);    // ...and the compiler may not read S any earlier
         if (lane == 0) mbarrier_arrive(&smem.K_empty[stage]);  // this warp is done with the K tile
         TRACE_EVENT(TRACE_SOFTMAX_BEGIN, kv_tile);
-        softmax(S_acc, alpha);          // under the tensor cores' P V
+        softmax(S_acc, alpha);          // under the tensor cores' P V...
+        keep_work_before_wait();        // ...there, not after the wait below (step13)
         TRACE_EVENT(TRACE_SOFTMAX_END, kv_tile);
         wgmma_wait_group<0>();          // P V is complete: O and P_frag are free again
         TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
@@ -365,7 +385,7 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
             *reinterpret_cast<__nv_bfloat162*>(O_tile + swizzle_tma_128b<ROWS_PER_WARPGROUP>(row, db * 8 + 2 * quad_col)) =
                 __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
         const int64_t q_row = int64_t(w.q_tile) * BLOCK_M + consumer * ROWS_PER_WARPGROUP + row;
-        if (quad_col == 0)
+        if (quad_col == 0 && q_row < p.seqlen_q)  // rows past seqlen_q (zeros from TMA) are computed, not stored
             p.lse[(int64_t(w.batch) * p.heads + w.head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
     }
     fence_proxy_async_shared_cta();             // this thread's stores are visible to the TMA unit...
@@ -418,8 +438,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
 }  // namespace
 
 // ---- host launcher: grid, block, shared memory, attributes ----
-FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return BLOCK_M; }  // one block per BLOCK_M query rows
-FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return BLOCK_N; }  // whole K/V tiles only
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return 1; }  // any seqlen: TMA fills and clips the last tiles
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return 1; }
+FLASHLADDER_EXPORT int flashladder_tile_q() { return BLOCK_M; }  // the work tiles (for tests and tools)
+FLASHLADDER_EXPORT int flashladder_tile_k() { return BLOCK_N; }
 
 FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t stream) {
     // 192 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).

@@ -18,7 +18,7 @@ BF16 = torch.bfloat16
 
 
 def seqlen(mod):
-    return math.lcm(mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"])
+    return math.lcm(mod.info["tile_q"], mod.info["tile_k"])
 
 
 def meta(shape, strides=None):

@@ -18,8 +18,11 @@ def test_exports_the_abi(step, built):
     import binding  # common/binding.py (verify.steps puts common/ on sys.path)
     assert lib.flashladder_abi_version() == binding.ABI_VERSION
     assert lib.flashladder_params_size() == ctypes.sizeof(binding.FwdParams)
-    for mult in (lib.flashladder_seqlen_multiple_q(), lib.flashladder_seqlen_multiple_k()):
-        assert mult > 0 and mult % 64 == 0, f"{step}: odd seqlen multiple {mult}"
+    multiples = (lib.flashladder_seqlen_multiple_q(), lib.flashladder_seqlen_multiple_k())
+    if multiples == (1, 1):  # any seqlen: then the step says what its tiles are
+        multiples = (lib.flashladder_tile_q(), lib.flashladder_tile_k())
+    for mult in multiples:
+        assert mult > 0 and mult % 64 == 0, f"{step}: odd seqlen multiple or tile {mult}"
 
 
 def test_steps_are_found_by_glob():

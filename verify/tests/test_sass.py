@@ -37,6 +37,12 @@ class Claim:
     present: dict[str, str] = field(default_factory=dict)  # what -> regex that some instruction must match
     absent: dict[str, str] = field(default_factory=dict)   # what -> regex that no instruction may match
     counterexample: str | None = None  # a kernel without the claim, for a claim no earlier step can refute
+    # (what, start, end, inner, at_least): in some stretch of code from an instruction matching `start` to the
+    # next one matching `end`, at least `at_least` instructions match `inner` (where the compiler put things).
+    between: tuple | None = None
+
+    def parts(self) -> int:
+        return len(self.present) + len(self.absent) + (self.between is not None)
 
     def covers(self, step_number: int) -> bool:
         return self.first <= step_number and (self.last is None or step_number <= self.last)
@@ -51,7 +57,29 @@ class Claim:
             hits = [i for i in sass if re.match(pattern, i.text)]
             if hits:
                 out.append(f"{what} is still there: {len(hits)} instructions, e.g. {hits[0]}")
+        if self.between:
+            what, start, end, inner, at_least = self.between
+            most = max(stretch_counts(sass, start, end, inner), default=None)
+            if most is None or most < at_least:
+                out.append(f"not {at_least} {what}: " + ("no such stretch" if most is None else f"at most {most}"))
         return out
+
+
+def stretch_counts(sass, start: str, end: str, inner: str) -> list[int]:
+    """For each instruction matching `start`: how many match `inner` before the next one matching `end` (in the
+    same function; a stretch with no end is not counted)."""
+    counts, open_count, function = [], None, None
+    for i in sass:
+        if i.function != function:
+            open_count, function = None, i.function
+        if open_count is not None and re.match(end, i.text):
+            counts.append(open_count)
+            open_count = None
+        elif re.match(start, i.text):
+            open_count = 0
+        elif open_count is not None and re.match(inner, i.text):
+            open_count += 1
+    return counts
 
 
 # A kernel that has to keep an array in local memory: stored and loaded at indices known only at run time.
@@ -85,6 +113,10 @@ CLAIMS = [
     Claim("intra_warpgroup_overlap", 12, None,
           present={"WARPGROUP.DEPBAR.LE gsb0, 0x1 (wgmma.wait_group 1: the softmax starts with P V in flight)":
                    r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b"}),
+    Claim("softmax_under_pv", 13, None,
+          between=("MUFU.EX2 (a thread's 64 exponentials of one tile) between wgmma.wait_group 1 and the next "
+                   "wait_group 0: they run while P V is in flight, not after it (step12's SASS has none there)",
+                   r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", r"MUFU\.EX2\b", 64)),
     Claim("tma_store", 14, None, present={"UTMASTG (cp.async.bulk.tensor shared -> global: the epilogue)": r"UTMASTG\b"}),
     Claim("no_local_memory", 1, None, absent={"LDL (a load from local memory)": r"LDL\b",
                                               "STL (a store to local memory)": r"STL\b"},
@@ -222,6 +254,16 @@ def test_each_claim_fails_on_a_kernel_without_it(claim, cuobjdump, tmp_path):
         steps_mod.build([previous], log=lambda *_: None)  # the `built` fixture may have built only a selection
         binary, what = kernel_so(previous), previous
     problems = claim.problems(sass_of(cuobjdump, binary))
-    assert len(problems) == len(claim.present) + len(claim.absent), (
-        f"claim {claim.name!r}: only {len(problems)} of its {len(claim.present) + len(claim.absent)} parts fail on "
-        f"{what}: {problems}")
+    assert len(problems) == claim.parts(), (
+        f"claim {claim.name!r}: only {len(problems)} of its {claim.parts()} parts fail on {what}: {problems}")
+
+
+def test_stretch_counts_counts_between_each_start_and_its_end():
+    text = ["WARPGROUP.DEPBAR.LE gsb0, 0x1", "MUFU.EX2 R1, R1", "MUFU.EX2 R2, R2", "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+            "MUFU.EX2 R3, R3", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x1", "MUFU.EX2 R4, R4"]  # the last stretch never ends: not counted
+    sass = [Instruction("k", f"{i:04x}", s) for i, s in enumerate(text)]
+    claim = next(c for c in CLAIMS if c.name == "softmax_under_pv")
+    _, start, end, inner, _ = claim.between
+    assert stretch_counts(sass, start, end, inner) == [2, 0]
+    assert claim.problems(sass) == [f"not 64 {claim.between[0]}: at most 2"]

@@ -39,7 +39,7 @@ SHAPES_IN_TILES = [
 
 
 def tiles(mod):
-    return mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"]
+    return mod.info["tile_q"], mod.info["tile_k"]
 
 
 def in_elements(mod, batch, heads, q_tiles, k_tiles):
@@ -56,6 +56,49 @@ def assert_passes(mod, err, what):
 def test_matches_float64_reference(mod, shape, factor):
     case = random_case(*in_elements(mod, *shape), factor)
     assert_passes(mod, check(mod, case), case.label)
+
+
+# (batch, heads, seqlen_q, seqlen_k) for a step that takes any seqlen (info["seqlen_multiple_q"] == 1): the
+# last query tile and the last K/V tile cut at every kind of place (the comments count in step14's 128 x 128 tiles).
+RAGGED_SHAPES = [
+    (1, 1, 1, 1),        # one query, one key
+    (1, 2, 5, 300),      # five queries: the second consumer's 64 rows all past the end; keys end 44 into tile 3
+    (2, 3, 129, 127),    # one query into a second tile; one key short of a whole tile
+    (1, 2, 200, 1000),   # the second consumer's rows partly past the end; keys end 104 into tile 8
+    (2, 2, 1000, 77),    # a single, partial K/V tile
+    (1, 4, 4095, 4097),  # one query short of 32 tiles; one key into a 33rd tile
+]
+
+
+def takes_any_seqlen(mod):
+    return mod.info["seqlen_multiple_q"] == mod.info["seqlen_multiple_k"] == 1
+
+
+@pytest.mark.parametrize("factor", [1.0, 10.0], ids=["x1", "x10"])
+@pytest.mark.parametrize("shape", RAGGED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_any_seqlen(mod, shape, factor):
+    if not takes_any_seqlen(mod):
+        pytest.skip("this step needs seqlens that are multiples of its tiles (test_errors.py checks it says so)")
+    case = random_case(*shape, factor)
+    assert_passes(mod, check(mod, case), case.label)
+
+
+def test_writes_nothing_past_seqlen_q(mod):
+    """The rows a step computes past seqlen_q (its last tile's padding) are never stored: o and lse are views at
+    the start of larger NaN-poisoned buffers, whose tails must come back untouched."""
+    if not takes_any_seqlen(mod):
+        pytest.skip("this step needs seqlens that are multiples of its tiles")
+    n, extra = 200, 256
+    q, k, v = make_inputs(1, 1, n, 333)
+    o_big = torch.full((1, 1, n + extra, 128), float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse_big = torch.full((1, 1, n + extra), float("nan"), dtype=torch.float32, device=q.device)
+    o, lse = o_big[:, :, :n], lse_big[:, :, :n]
+    assert o.is_contiguous() and lse.is_contiguous()
+    mod.attention_out(q, k, v, o, lse)
+    torch.cuda.synchronize()
+    assert not o.isnan().any() and not lse.isnan().any(), "rows before seqlen_q left unwritten"
+    assert o_big[:, :, n:].isnan().all(), "o written past seqlen_q"
+    assert lse_big[:, :, n:].isnan().all(), "lse written past seqlen_q"
 
 
 @pytest.mark.parametrize("kind", ADVERSARIAL)
