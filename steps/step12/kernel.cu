@@ -31,10 +31,10 @@
 // PREDICTION: the exponentials of one warpgroup now overlap its own P V as well as the other consumer's
 //   block, so even when the two consumers drift into step with each other the tensor cores have work:
 //   +5-10% over step11.
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   603.4 / 618.0 / 626.8 -> 615.3 / 630.3 / 638.8 TFLOP/s (1.02x at each N), 0.99 / 1.01 / 1.03x SDPA's
-//   cuDNN backend: below the prediction. With ping-pong in place the other consumer's block already
-//   covers most of each softmax; the own P V adds the rest (results/h200/timeline/step12.png).
+// MEASURED (results/h200/2026-11-29T21-28-55Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   596.9 / 612.3 / 620.0 -> 606.8 / 625.1 / 634.6 TFLOP/s (1.02x at each N), 0.99 / 1.01 / 1.03x SDPA's
+//   cuDNN backend: below the prediction, which assumed the exponentials would overlap the P V (above: in
+//   this build they do not).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

@@ -36,9 +36,13 @@
 //   500.9 / 600.8 / 578.4 and 469.2 / 575.1 / 570.0. Every share of FMA exponentials loses or ties, so the
 //   tuned share on the H200 is 0 (FMA_EXP2_BLOCKS = 0): the polynomial path stays in the code, one constant
 //   away, for GPUs where MUFU is the bottleneck. The conditional rescale did not pay either (within noise).
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   615.3 / 630.3 / 638.8 -> 613.0 / 629.6 / 638.9 TFLOP/s (1.00x at each N): no gain, no loss beyond noise.
-//   Neither trick pays on this GPU at this head dim; this step is the record of that.
+// ON THE WAY, 2 (results/h200/dev/2026-11-29-wait-pinned-fence.log, steady state, N = 4K / 16K): the two tricks
+//   above, without the fence, against step12: 611.7 / 633.2 vs 612.5 / 637.5 TFLOP/s, no gain; with it
+//   625.4 / 659.1. So the fence is what lets the conditional rescale pay (and in step12, without the rescale,
+//   the same fence loses: step12's header).
+// MEASURED (results/h200/2026-11-29T21-28-55Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   606.8 / 625.1 / 634.6 -> 622.6 / 641.4 / 647.2 TFLOP/s (1.03 / 1.03 / 1.02x), 1.01 / 1.04 / 1.05x SDPA's
+//   cuDNN backend. The FMA-pipe exponentials still do not pay on this GPU at this head dim (share 0).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

@@ -29,13 +29,14 @@
 //   Shared memory: Q 32 KB + K/V ring 128 KB + output 32 KB = 192 KB.
 //
 // PREDICTION: the start-up and tail per tile are small next to 32-128 K/V tiles of work at N = 4K-16K,
-//   so the gain is mostly at the short sequences: +2-5% at N = 1K-2K, +1-2% at 16K.
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   613.0 / 629.6 / 638.9 -> 649.9 / 656.0 / 665.6 TFLOP/s (1.06 / 1.04 / 1.04x), and 519.4 -> 603.3 at N = 1K
-//   (1.16x): above the prediction everywhere. 1.05 / 1.05 / 1.07x SDPA's cuDNN backend (the target was
-//   1.10x: not met); the cuBLAS bf16 GEMM 8192^3 of the same run ran at 685.4. ncu on 4 x 16 heads x 4K
-//   (results/h200/2026-11-29T20-25-22Z-logs/ncu_step14.txt): tensor pipe 76.3% of the elapsed cycles (the
-//   busiest pipe), issue slots busy 37.07%, one CTA of 12 warps per SM.
+//   so the gain is mostly at the short sequences: +2-5% at N = 1K-2K, +1-2% at 16K. Any seqlen: free at
+//   the lengths of record (one compare per work tile; the mask runs only on a partial tile).
+// MEASURED (results/h200/2026-11-29T21-28-55Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   622.6 / 641.4 / 647.2 -> 660.4 / 663.3 / 665.5 TFLOP/s (1.06 / 1.03 / 1.03x), and 529.1 -> 611.3 at N = 1K
+//   (1.16x): above the prediction everywhere. 1.07 / 1.08 / 1.08x SDPA's cuDNN backend (the target was
+//   1.10x: not met); 0.97 / 0.98 / 0.98x the cuBLAS bf16 GEMM 8192^3 of the same run (678.6). ncu on
+//   4 x 16 heads x 4K (results/h200/2026-11-29T21-28-55Z-logs/ncu_step14.txt): tensor pipe 79.3% of the
+//   elapsed cycles (the busiest pipe), issue slots busy 38.75%, one CTA of 12 warps per SM.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
