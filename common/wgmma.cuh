@@ -64,8 +64,8 @@ __device__ __forceinline__ void wgmma_fence_operands(T (&regs)[N]) {
 }
 // Not about correctness: where ptxas puts a wait. The source order "work; wgmma_wait_group<0>()" does not
 // make the work run while the group is in flight: ptxas may move the wait up, above independent work (steps
-// 12-13 wrote their softmax there, and ptxas put the wait for P V before its exponentials). A CTA-scope memory
-// fence just before the wait is, in these builds, where ptxas leaves the wait with the work above it. A
+// 12-14 write their softmax there, and in step12 ptxas puts the wait for P V before its exponentials). With a
+// CTA-scope memory fence just before the wait, ptxas (in these builds) keeps the wait below the work. A
 // compiler's choice, not a rule of the ISA: verify/tests/test_sass.py checks the SASS of each step that relies
 // on it. Cost: one MEMBAR, with nothing to wait for but the warp's last mbarrier arrive.
 __device__ __forceinline__ void keep_work_before_wait() { asm volatile("fence.acq_rel.cta;\n" ::: "memory"); }

@@ -44,9 +44,10 @@ O_ATOL = 1e-4
 LSE_YARDSTICK_FACTOR = 4.0
 # The floor, for rows whose LSE is one score: with a single key (or one key far above the rest) nothing averages
 # the tensor cores' truncating fp32 accumulation of that score, a few ulps at the LSE's magnitude, where the
-# yardstick's own error can be far smaller (one key at x10 measured ~9x the yardstick, ~2 ulps of |LSE|). Then
-# m * scale and + log(l) round once more each. 4 ulps: still 16x below the corrupted LSE entry that must fail
-# at x10 (CORRUPTIONS below).
+# yardstick's own error can be far smaller (one key at x10, once: ~9x the yardstick, ~2 ulps of |LSE|). Then
+# m * scale and + log(l) round once more each. A bound from one sample: a row whose dot product cancels a lot
+# could need more (the error scales with the sum of |q_i k_i|, not with |LSE|). 4 ulps stays several times
+# below the corrupted LSE entry that must fail at x10 (CORRUPTIONS below; test_checks.py shows it fails).
 LSE_ULPS = 4.0
 
 
@@ -219,6 +220,11 @@ ADVERSARIAL = {
     "max_grows_every_tile": "the row max grows in every K tile (+1 nat per tile): O and l rescaled after every tile",
     "max_in_last_tile_by_3": "every row's max only in the last K tile, 3 nats up: earlier tiles still count, rescaled",
     "max_in_last_tile_by_30": "every row's max only in the last K tile, 30 nats up: earlier tiles rescaled to ~0",
+    # The same three, mirrored: a step that visits the last K/V tile first (step14: n-1, 0, 1, ..., n-2) meets
+    # the jumps of these, and not those of the three above.
+    "max_shrinks_every_tile": "the row max shrinks in every K tile (-1 nat per tile): the max comes from key tile 0",
+    "max_in_first_tile_by_3": "every row's max only in K tile 0, 3 nats up: tiles visited before it rescaled",
+    "max_in_first_tile_by_30": "every row's max only in K tile 0, 30 nats up: tiles visited before it rescaled to ~0",
     "one_dominant_key_first": "key 0 dominates every row by ~30 nats: O = its V row",
     "one_dominant_key_last": "the last key dominates every row by ~30 nats: O = its V row",
     "equal_logits": "all keys equal, so every score of a row is equal: O = mean of V",
@@ -248,6 +254,9 @@ def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda"):
         "max_grows_every_tile": key / tile_k,
         "max_in_last_tile_by_3": 3.0 * (key >= nk - tile_k),
         "max_in_last_tile_by_30": 30.0 * (key >= nk - tile_k),
+        "max_shrinks_every_tile": (nk - 1 - key) / tile_k,
+        "max_in_first_tile_by_3": 3.0 * (key < tile_k),
+        "max_in_first_tile_by_30": 30.0 * (key < tile_k),
         "one_dominant_key_first": DOMINANCE * (key == 0),
         "one_dominant_key_last": DOMINANCE * (key == nk - 1),
     }.get(kind)

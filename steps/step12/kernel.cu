@@ -1,4 +1,4 @@
-// flashladder step12 -- intra-warpgroup overlap: S = Q K^T first, so each softmax runs under its own P V.
+// flashladder step12 -- intra-warpgroup overlap: S = Q K^T first, so each softmax can run under its own P V.
 //
 // The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
@@ -19,13 +19,14 @@
 //       step12:  issue [S j][PV j-1] -> wait S   -> softmax j (max, exp) -> wait PV -> rescale O, P
 //
 // WHAT THE SASS SHOWS: less than the above. ptxas moves the wait for P V (WARPGROUP.DEPBAR.LE gsb0, 0x0) up
-//   to just after the row max, so the exponentials, the row sums and the O rescale run after the P V has
+//   into the row max's shuffles, so the exponentials, the row sums and the O rescale run after the P V has
 //   completed: only the max and its shuffles overlap it. What this step gains comes from S arriving first.
 //   Keeping the wait below the softmax (step13's one-line fence) does make the exponentials overlap as
 //   written, and here it is SLOWER (results/h200/dev/2026-11-29-wait-pinned-fence.log, N = 4K / 16K:
-//   612.5 / 637.5 -> 592.8 / 616.5 TFLOP/s): the unconditional O rescale, 64 FMUL per thread, then waits
-//   for the P V alone, where ptxas's order had hidden it among the exponentials. It pays from step13 on,
-//   where the rescale is rare. (The traced build of verify/trace.py could not show this: its own event
+//   612.5 / 637.5 -> 592.8 / 616.5 TFLOP/s). The likely cause (not proven: moving the rescale between the
+//   two GEMM issues did not help either, NOTES.md): the unconditional O rescale, 64 FMUL per thread, then
+//   waits for the P V alone, where ptxas's order had mixed it with the exponentials. It pays from step13
+//   on, where the rescale is rare. (The traced build of verify/trace.py could not show this: its own event
 //   writes keep ptxas from moving the wait, so its timeline draws the overlap the source describes.)
 //
 // PREDICTION: the exponentials of one warpgroup now overlap its own P V as well as the other consumer's

@@ -22,9 +22,10 @@
 //     softmax between wait_group 1 and wait_group 0, but its SASS shows ptxas moving the wait for P V up,
 //     above all 64 exponentials of each thread: only the row max ran under the P V. One fence after the
 //     softmax keeps the wait where the source puts it (verify/tests/test_sass.py counts the MUFU.EX2 between
-//     the two waits from this step on). In step12 that costs as much as it saves: once the P V completes,
-//     the O rescale (64 FMUL) and P's rounding still wait, and ptxas's order had hidden the FMULs among the
-//     exponentials. With the rescale gone from most tiles, the exponentials under the P V are a net gain.
+//     the two waits from this step on). In step12 the same fence is slower (its header has the numbers);
+//     the likely cause is that step12 rescales O after every P V, 64 FMUL per thread that then wait alone,
+//     where ptxas's order had mixed them with the exponentials. With the rescale gone from most tiles,
+//     the exponentials under the P V are a net gain.
 //
 // PREDICTION: none was written down before this step's first measurement (the sweep below came first). The
 //   arithmetic says the same: on Hopper at d = 128 the MUFU work of one warpgroup (about half its GEMM time) already hides
@@ -38,8 +39,8 @@
 //   away, for GPUs where MUFU is the bottleneck. The conditional rescale did not pay either (within noise).
 // ON THE WAY, 2 (results/h200/dev/2026-11-29-wait-pinned-fence.log, steady state, N = 4K / 16K): the two tricks
 //   above, without the fence, against step12: 611.7 / 633.2 vs 612.5 / 637.5 TFLOP/s, no gain; with it
-//   625.4 / 659.1. So the fence is what lets the conditional rescale pay (and in step12, without the rescale,
-//   the same fence loses: step12's header).
+//   625.4 / 659.1. So the fence is what lets the conditional rescale pay (and in step12, which rescales O
+//   after every tile, the same fence loses: step12's header).
 // MEASURED (results/h200/2026-11-29T21-28-55Z.json, H200, steady state, N = 4K / 8K / 16K):
 //   606.8 / 625.1 / 634.6 -> 622.6 / 641.4 / 647.2 TFLOP/s (1.03 / 1.03 / 1.02x), 1.01 / 1.04 / 1.05x SDPA's
 //   cuDNN backend. The FMA-pipe exponentials still do not pay on this GPU at this head dim (share 0).

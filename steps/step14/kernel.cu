@@ -30,7 +30,8 @@
 //
 // PREDICTION: the start-up and tail per tile are small next to 32-128 K/V tiles of work at N = 4K-16K,
 //   so the gain is mostly at the short sequences: +2-5% at N = 1K-2K, +1-2% at 16K. Any seqlen: free at
-//   the lengths of record (one compare per work tile; the mask runs only on a partial tile).
+//   the lengths of record (one compare per work tile; the mask runs only on a partial tile); not measured
+//   on its own (the nearest build without it, s14fence in results/h200/dev/, ran in other runs).
 // MEASURED (results/h200/2026-11-29T21-28-55Z.json, H200, steady state, N = 4K / 8K / 16K):
 //   622.6 / 641.4 / 647.2 -> 660.4 / 663.3 / 665.5 TFLOP/s (1.06 / 1.03 / 1.03x), and 529.1 -> 611.3 at N = 1K
 //   (1.16x): above the prediction everywhere. 1.07 / 1.08 / 1.08x SDPA's cuDNN backend (the target was
@@ -209,8 +210,8 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
     };
     // Any seqlen_k: the last K/V tile may hold fewer than BLOCK_N keys. TMA filled the rest of its K and V with
     // zeros; their scores (0, not -inf) must not count, so they become -inf before the softmax (2^-inf = 0).
-    // The producer loads that tile FIRST, so only block 0 below masks: inside the loop the compiler would
-    // turn the mask into 128 predicated instructions run on every tile.
+    // The producer loads that tile FIRST, so only block 0 below masks: inside the loop the compiler turned
+    // the mask into ~127 instructions (selects, compares) run on every tile.
     const int last_tile_keys = p.seqlen_k - (num_kv_tiles - 1) * BLOCK_N;  // 1 .. BLOCK_N
     auto mask_past_seqlen_k = [&](float (&S)[S_BLOCKS * 4]) {
         if (last_tile_keys == BLOCK_N) return;

@@ -67,7 +67,8 @@ class Claim:
 
 def stretch_counts(sass, start: str, end: str, inner: str) -> list[int]:
     """For each instruction matching `start`: how many match `inner` before the next one matching `end` (in the
-    same function; a stretch with no end is not counted)."""
+    same function, in address order; a stretch with no end is not counted, and a second start before the end
+    begins the stretch anew)."""
     counts, open_count, function = [], None, None
     for i in sass:
         if i.function != function:
@@ -113,6 +114,7 @@ CLAIMS = [
     Claim("intra_warpgroup_overlap", 12, None,
           present={"WARPGROUP.DEPBAR.LE gsb0, 0x1 (wgmma.wait_group 1: the softmax starts with P V in flight)":
                    r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b"}),
+    # 64 = a thread's exponentials of one tile on MUFU while FMA_EXP2_BLOCKS = 0 (a share on the FMA pipe lowers it).
     Claim("softmax_under_pv", 13, None,
           between=("MUFU.EX2 (a thread's 64 exponentials of one tile) between wgmma.wait_group 1 and the next "
                    "wait_group 0: they run while P V is in flight, not after it (step12's SASS has none there)",
