@@ -75,11 +75,12 @@ rep("""    for (int t = blockIdx.x; t < num_work_tiles(p); t += gridDim.x, ++ite
     for (int t = blockIdx.x / CLUSTER; t < num_work_units(p); t += gridDim.x / CLUSTER, ++iteration) {
         const WorkTile w = work_tile(t, p, rank);""")
 rep("""    for (int t = blockIdx.x; t < num_work_tiles(p); t += gridDim.x, ++iteration) {
-    const WorkTile w = work_tile(t, p);""", """    for (int t = blockIdx.x / CLUSTER; t < num_work_units(p); t += gridDim.x / CLUSTER, ++iteration) {
-    const WorkTile w = work_tile(t, p, rank);""")
+    const WorkTile w = work_tile(t, p);""",
+    "    for (int t = blockIdx.x / CLUSTER; t < num_work_units(p); t += gridDim.x / CLUSTER, ++iteration) {\n"
+    "    const WorkTile w = work_tile(t, p, rank);")
 # producer: this CTA's half of each K/V tile, into both CTAs
-rep("""// Max / sum over the 4""", """// This CTA's half (64 columns, by rank) of a [ROWS, HEAD_DIM] tile, into the same place in every CTA of the
-// cluster. The barrier expects the whole tile: the other half comes from the peer's producer.
+rep("""// Max / sum over the 4""", """// This CTA's half (64 columns, by rank) of a [ROWS, HEAD_DIM] tile, into the same place
+// in every CTA of the cluster. The barrier expects the whole tile: the other half comes from the peer's producer.
 template <int ROWS>
 __device__ void load_half_tile_multicast(__nv_bfloat16* dst_smem, const CUtensorMap* map, int row, int head, int batch,
                                          uint64_t* bar, int rank) {
@@ -111,7 +112,8 @@ rep("        if (lane == 0) mbarrier_arrive(&smem.K_empty[stage]);", "        re
 rep("        if (lane == 0) mbarrier_arrive(&smem.V_empty[prev_stage]);", "        release(&smem.V_empty[prev_stage]);")
 rep("    if (lane == 0) mbarrier_arrive(&smem.V_empty[last % STAGES]);", "    release(&smem.V_empty[last % STAGES]);")
 # kernel: cluster dims, barrier counts, cluster-wide syncs
-rep("__global__ void __launch_bounds__(NUM_THREADS, 1)", "__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NUM_THREADS, 1)")
+rep("__global__ void __launch_bounds__(NUM_THREADS, 1)",
+    "__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NUM_THREADS, 1)")
 rep("            mbarrier_init(&smem.K_empty[s], CONSUMER_WARPS), mbarrier_init(&smem.V_empty[s], CONSUMER_WARPS);",
     "            mbarrier_init(&smem.K_empty[s], CLUSTER * CONSUMER_WARPS), mbarrier_init(&smem.V_empty[s], CLUSTER * CONSUMER_WARPS);")
 rep("""    __syncthreads();  // no thread waits on a barrier before it is initialized; the last block-wide barrier
