@@ -4,7 +4,10 @@
 
 Each variant folder holds a kernel.cu (e.g. a copy of steps/step06/kernel.cu with one change); its
 folder name becomes its name. Steps given with --steps run beside them as baselines. One correctness
-check per variant (the same rules as the tests), then the median time at each N, and a table last.
+check per variant (the same rules as the tests), then the median time at each N, and a table last: TFLOP/s,
+the SM clock and board power of the timed window, and TFLOP/s per GHz (on a GPU at its power limit a change
+can win per clock and lose the clock). A folder named diag_* is a diagnostic build, wrong on purpose (a copy
+that skips the loads, say): it is timed, not checked.
 """
 import shutil
 import sys
@@ -23,6 +26,14 @@ def build_variant(folder: Path):
         shutil.copyfile(steps_mod.ROOT / "steps" / "step01" / "pkg" / "__init__.py", pkg / "__init__.py")
     steps_mod.build_step.compile_step(folder, steps_mod.DEV / "flashladder" / name)
     return name, steps_mod.ptxas_of(name)
+
+
+def cell_text(c: dict) -> str:
+    """TFLOP/s, SM clock, board power and TFLOP/s per GHz of one timed cell (clock or power may be unknown)."""
+    mhz, watts = c.get("sm_mhz_median"), c.get("power_w_median")
+    per_ghz = f"{c['tflops'] / mhz * 1e3:5.1f}/GHz" if mhz else f"{'-':>9}"
+    return (f"{c['tflops']:8.1f} TF" + (f" {mhz:5.0f} MHz" if mhz else f"{'':>10}")
+            + (f" {watts:4.0f} W" if watts else f"{'':>7}") + f" {per_ghz}")
 
 
 def main(argv=None) -> int:
@@ -54,6 +65,10 @@ def main(argv=None) -> int:
     impls, errors = {}, {}
     for name in names:
         mod = steps_mod.load(name)
+        if name.startswith("diag_"):
+            errors[name], impls[name] = "diag", mod.attention
+            print(f"{name}: a diagnostic build, not checked", flush=True)
+            continue
         q, k, v = make_inputs(2, 4, 1024, 1024)
         err = measure_errors(mod, q, k, v)
         errors[name] = "ok" if not err.failures() else "; ".join(err.failures())
@@ -62,13 +77,13 @@ def main(argv=None) -> int:
             impls[name] = mod.attention
     seqlens = args.seqlens
     res = bench.run(impls, seqlens, budget_s=args.budget)["timings"]
-    print(f"\n{'':<22}" + "".join(f"{f'N={n}':>12}" for n in seqlens))
+    print(f"\n{'':<22}" + "".join(f"{f'N={n}':>34}" for n in seqlens))
     for name in [*names, *bench.SDPA_BACKENDS]:
         cells = [res.get(name, {}).get(n) for n in seqlens]
-        print(f"{name:<22}" + "".join(f"{c['tflops']:12.1f}" if c else f"{'-':>12}" for c in cells)
-              + ("" if errors.get(name, "ok") == "ok" else "  CHECK FAILED"))
+        print(f"{name:<22}" + "".join(cell_text(c) if c else f"{'-':>34}" for c in cells)
+              + {"ok": "", "diag": "  (diagnostic)"}.get(errors.get(name, "ok"), "  CHECK FAILED"))
     print(f"GPU: {torch.cuda.get_device_name(0)}")
-    return 0 if all(e == "ok" for e in errors.values()) else 1
+    return 0 if all(e in ("ok", "diag") for e in errors.values()) else 1
 
 
 if __name__ == "__main__":

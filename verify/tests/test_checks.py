@@ -5,7 +5,8 @@
   correct output here is the float64 reference rounded to bf16/fp32, the yardstick runs on the CPU
   (test_steps_gpu.py does the same with every step's real output);
 * a kernel-like computation in the kernels' precision class passes, so the bounds are not tighter than the class;
-* the adversarial inputs have the property each is built for.
+* the adversarial inputs have the property each is built for;
+* at ragged lengths, an output that let the zero-filled keys past seqlen_k into the softmax is rejected.
 """
 import math
 import os
@@ -165,3 +166,18 @@ def test_reference_cache_round_trip(tmp_path, monkeypatch):
         assert np.array_equal(case.o_ref, fresh.o_ref) and np.array_equal(case.lse_ref, fresh.lse_ref)
     files = list(tmp_path.glob("*.npz"))
     assert len(files) == 1 and files[0].name.startswith(f"{checks.run_seed()}-") and not stale.exists()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 2, 5, 300), (2, 3, 129, 127), (2, 2, 1000, 77), (1, 4, 300, 4097)])
+def test_unmasked_keys_past_seqlen_k_are_rejected(shape):
+    """What test_steps_gpu.py::test_any_seqlen (x1) must catch: a step that forgets the mask of its last K/V tile
+    takes TMA's zero rows of K and V as keys. Their output is the reference of the same inputs with K and V padded
+    by zeros to whole 128-key tiles; the verdict rejects it (through the LSE: each zero key adds e^0 to l)."""
+    from verify.reference import attention_reference
+    q, k, v = make_inputs(*shape, device="cpu")
+    case = prepare(q, k, v)
+    zeros = torch.zeros(*k.shape[:2], -k.shape[2] % 128, k.shape[3], dtype=k.dtype)
+    o_bad, lse_bad = attention_reference(*(t.double().numpy() for t in (q, torch.cat([k, zeros], 2), torch.cat([v, zeros], 2))),
+                                         case.scale)
+    bad = errors_of(case, torch.from_numpy(o_bad).to(torch.bfloat16), torch.from_numpy(lse_bad).float()).failures()
+    assert any("LSE max abs error" in b for b in bad), f"an unmasked tail passed: {bad}; {replay()}"

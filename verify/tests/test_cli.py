@@ -195,3 +195,11 @@ def test_once_watchdog_ends_a_hung_kernel(hang_so):
                          capture_output=True, text=True, timeout=limit + 120)
     assert out.returncode == 1 and f"step42: FAILED (timed out after {limit} s" in out.stdout, out.stdout + out.stderr
     assert time.monotonic() - t0 < limit + 60
+
+
+def test_variants_table_cell_shows_clock_power_and_rate_per_ghz():
+    from verify.variants import cell_text
+    full = cell_text({"tflops": 660.4, "sm_mhz_median": 1695.0, "power_w_median": 686.5})
+    assert full.split() == ["660.4", "TF", "1695", "MHz", "686", "W", "389.6/GHz"]
+    bare = cell_text({"tflops": 660.4, "sm_mhz_median": None, "power_w_median": None})
+    assert bare.split() == ["660.4", "TF", "-"] and len(bare) == len(full)
