@@ -2,7 +2,8 @@
 
 The verdict on one call's outputs (Errors.failures):
   * no NaN/Inf anywhere; outputs are poisoned with NaN before the call, so an unwritten element fails;
-  * O:   relative Frobenius error <= O_REL_FROB, and max abs error <= O_YARDSTICK_FACTOR x the yardstick's + O_ATOL;
+  * O:   relative Frobenius error <= O_REL_FROB, and every element's abs error <= O_YARDSTICK_FACTOR x the
+         yardstick's max + O_P_ROUNDING x |O_ref| there + O_ATOL;
   * LSE: max abs error <= LSE_YARDSTICK_FACTOR x the yardstick's + LSE_ULPS fp32 ulps of the largest |LSE|.
 The yardstick (yardstick_attention) is attention computed the way the kernels compute it, in plain torch:
 its measured error on the same inputs is what the kernels' precision class costs there, so the bounds scale
@@ -36,6 +37,15 @@ O_REL_FROB = 1e-2
 # FlashAttention's own tests allow 2x the max error of a reference computed in the same precision; here both
 # are dominated by rounding O to bf16 (half an ulp of |O|), so a kernel in the class lands near 1x.
 O_YARDSTICK_FACTOR = 2.0
+# One bf16 rounding of a row's dominant probability, relative to |O| (whose value that key's V row then sets).
+# The yardstick shifts every row by its exact max, so its dominant key gets P = 2^0 = 1, exact in bf16, and no
+# rounding error where the row is peaked; a kernel whose shift lags the max (FlashAttention-4's conditional
+# rescale, steps 13-14: the shift moves only when the max passes it by more than 8 in log2 units) rounds that
+# P, anywhere in [1, 2^8], like any other: up to 2^-8 relative. Without this term such a kernel, exact in every
+# other way, fails the 2x bound on peaked rows (scale 0.3, or inputs x10): test_checks.py's CPU model of it
+# does (test_fa4_rescale_needs_the_p_rounding_term), and so did steps 13 and 14 on the H200 (NOTES.md, "The O
+# bound and peaked rows").
+O_P_ROUNDING = 2.0**-8
 # For outputs that the yardstick gets exactly (e.g. O = the V row of one dominant key, a bf16 value):
 # far below a bf16 ulp of |O| ~ 1 (2^-7), so it never hides a real error.
 O_ATOL = 1e-4
@@ -112,11 +122,12 @@ class Errors:
     lse_max_abs_ref: float  # the largest |LSE|, which sets the fp32 floor
     nonfinite_o: int
     nonfinite_lse: int
-    o_at: tuple = ()        # [batch, head, row, dim] of the largest O error
+    o_at: tuple = ()        # [batch, head, row, dim] of the O error nearest its bound (o_max_abs is the error there)
+    o_ref_abs_at: float = 0.0  # |O_ref| at o_at: its O_P_ROUNDING allowance
     lse_at: tuple = ()      # [batch, head, row] of the largest LSE error
 
     def o_limit(self) -> float:
-        return O_YARDSTICK_FACTOR * self.o_max_abs_yardstick + O_ATOL
+        return O_YARDSTICK_FACTOR * self.o_max_abs_yardstick + O_P_ROUNDING * self.o_ref_abs_at + O_ATOL
 
     def lse_limit(self) -> float:
         return LSE_YARDSTICK_FACTOR * self.lse_max_abs_yardstick + LSE_ULPS * 2.0**-23 * self.lse_max_abs_ref
@@ -129,8 +140,9 @@ class Errors:
         if not self.o_rel_frob <= O_REL_FROB:  # `not <=` so that NaN fails
             bad.append(f"O relative Frobenius error {self.o_rel_frob:.3g} > {O_REL_FROB}")
         if not self.o_max_abs <= self.o_limit():
-            bad.append(f"O max abs error {self.o_max_abs:.3g} at {list(self.o_at)} > {O_YARDSTICK_FACTOR:g} x the yardstick's "
-                       f"({self.o_max_abs_yardstick:.3g}) + {O_ATOL:g} = {self.o_limit():.3g}")
+            bad.append(f"O error {self.o_max_abs:.3g} at {list(self.o_at)} > {O_YARDSTICK_FACTOR:g} x the yardstick's max "
+                       f"({self.o_max_abs_yardstick:.3g}) + 2^-8 x |O_ref| there ({self.o_ref_abs_at:.3g}) + {O_ATOL:g} = "
+                       f"{self.o_limit():.3g}")
         if not self.lse_max_abs <= self.lse_limit():
             bad.append(f"LSE max abs error {self.lse_max_abs:.3g} at {list(self.lse_at)} > {LSE_YARDSTICK_FACTOR:g} x the "
                        f"yardstick's ({self.lse_max_abs_yardstick:.3g}) + {LSE_ULPS:g} fp32 ulp of max|LSE| "
@@ -171,17 +183,19 @@ def errors_of(case: Case, o: torch.Tensor, lse: torch.Tensor) -> Errors:
     o64, lse64 = o.double().cpu().numpy(), lse.double().cpu().numpy()
     with np.errstate(invalid="ignore"):
         o_err, lse_err = np.abs(o64 - case.o_ref), np.abs(lse64 - case.lse_ref)
+        o_at = np.unravel_index(np.argmax(o_err - O_P_ROUNDING * np.abs(case.o_ref)), o_err.shape)  # a NaN first
         finite_lse = np.abs(case.lse_ref[np.isfinite(case.lse_ref)])
         return Errors(
             o_rel_frob=float(np.linalg.norm(o64 - case.o_ref) / np.linalg.norm(case.o_ref)),
-            o_max_abs=float(np.max(o_err)),
+            o_max_abs=float(o_err[o_at]),
             o_max_abs_yardstick=case.o_yardstick,
             lse_max_abs=float(np.max(lse_err)),
             lse_max_abs_yardstick=case.lse_yardstick,
             lse_max_abs_ref=float(finite_lse.max(initial=0.0)),
             nonfinite_o=int((~np.isfinite(o64)).sum()),
             nonfinite_lse=int((~np.isfinite(lse64)).sum()),
-            o_at=tuple(int(i) for i in np.unravel_index(np.argmax(o_err), o_err.shape)),  # argmax finds a NaN first
+            o_at=tuple(int(i) for i in o_at),
+            o_ref_abs_at=float(abs(case.o_ref[o_at])),
             lse_at=tuple(int(i) for i in np.unravel_index(np.argmax(lse_err), lse_err.shape)),
         )
 
@@ -310,12 +324,15 @@ def _cached_reference(key: tuple, qkv64: list, scale: float):
 # ---------------------------------------------------------------- wrong outputs the verdict must reject (tests)
 
 # Each changes ONE row of ONE head (or one LSE entry) of a correct output, where |O_ref| is largest, and names
-# the failure it must cause. A 2^-6 error is >= 4x the bf16 rounding of |O| there (half an ulp <= 2^-8 |O|);
+# the failure it must cause. Scaling a row by 1 + 2^-5 moves O there by 8 x 2^-8 |O|; the bound allows at most
+# 3 x 2^-8 |O| (2x the yardstick's half ulp of bf16 rounding, <= 2^-8 |O| each, + O_P_ROUNDING) and the correct
+# output's own error there is at most ~2 x 2^-8 |O| (its fp32 error, then half an ulp), so the verdict has room.
+# (It was 1 + 2^-6 before O_P_ROUNDING: 4 x 2^-8 |O| against a bound of up to 2 x 2^-8 |O|.)
 # the LSE error is that of a row sum l off by 1/256 (one of 256 equal keys dropped): ~4e-3, still several
 # times the bound at x10, where |LSE| ~ 1e3.
 CORRUPTIONS = {
-    "O row scaled by 1 + 2^-6": "O max abs error",  # a wrong l for one row: 1.6% off
-    "O row from the next query": "O max abs error",  # a row written to the wrong place
+    "O row scaled by 1 + 2^-5": "O error",  # a wrong l for one row: 3% off
+    "O row from the next query": "O error",  # a row written to the wrong place
     "O element NaN": "non-finite",
     "LSE entry + log(1 + 2^-8)": "LSE max abs error",
     "LSE entry NaN": "non-finite",
@@ -326,8 +343,8 @@ def corrupted(kind: str, case: Case, o: torch.Tensor, lse: torch.Tensor):
     """Copies of (o, lse) with the corruption `kind` (one of CORRUPTIONS) applied."""
     o, lse = o.clone(), lse.clone()
     b, h, i, d = np.unravel_index(np.argmax(np.abs(case.o_ref)), case.o_ref.shape)
-    if kind == "O row scaled by 1 + 2^-6":
-        o[b, h, i] = (o[b, h, i].float() * (1 + 2**-6)).to(o.dtype)
+    if kind == "O row scaled by 1 + 2^-5":
+        o[b, h, i] = (o[b, h, i].float() * (1 + 2**-5)).to(o.dtype)
     elif kind == "O row from the next query":
         o[b, h, i] = o[b, h, i + 1 if i + 1 < o.shape[2] else i - 1]
     elif kind == "O element NaN":

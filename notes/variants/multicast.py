@@ -1,6 +1,10 @@
-"""UNTESTED on a GPU: step14 with K/V shared by the two CTAs of a cluster through TMA multicast.
+"""step14 with K/V shared by the two CTAs of a cluster through TMA multicast: correct, and slower (NOTES.md).
 
     python notes/variants/multicast.py steps/step14/kernel.cu .scratch/var/multicast/kernel.cu
+    python notes/variants/multicast.py steps/step14/kernel.cu .scratch/var/multicast_k/kernel.cu k-only
+
+Measured in results/h200/dev/2026-11-29-multicast.log. k-only: only K is multicast (and only the K slots are
+shared by the pair); V is loaded by each CTA as in step14.
 
 Why (NOTES.md, "Where step14's time goes"): the H200 runs these kernels at its power limit, and halving the K/V
 loads from L2 measured +2.3 % at N = 4K and 16K. What it changes, all against step14 (commit 1671cb0 or later):
@@ -18,6 +22,7 @@ loads from L2 measured +2.3 % at N = 4K and 16K. What it changes, all against st
 import sys
 
 src, dst = sys.argv[1], sys.argv[2]
+k_only = sys.argv[3:] == ["k-only"]
 t = open(src).read()
 
 
@@ -152,5 +157,14 @@ rep("""    const int tiles = num_work_tiles(p);
     const int units = num_work_units(p);
     const dim3 grid(CLUSTER * (units < clusters ? units : clusters));
     attention_fwd_kernel<<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(p, Q_map, K_map, V_map, O_map);""")
-rep("// flashladder step14 --", "// flashladder step14 + TMA multicast of K/V in 2-CTA clusters (notes/variants/multicast.py; UNTESTED) --")
+rep("// flashladder step14 --", "// flashladder step14 + TMA multicast of K/V in 2-CTA clusters (notes/variants/multicast.py) --")
+if k_only:
+    rep("""            load_half_tile_multicast<BLOCK_N>(smem.V[stage], &V_map, row, tma_coord(p.v_stride[1], w.head),
+                                              tma_coord(p.v_stride[0], w.batch), &smem.V_full[stage], rank);""",
+        """            load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, row, tma_coord(p.v_stride[1], w.head),
+                                   tma_coord(p.v_stride[0], w.batch), &smem.V_full[stage]);""")
+    rep("        release(&smem.V_empty[prev_stage]);", "        if (lane == 0) mbarrier_arrive(&smem.V_empty[prev_stage]);")
+    rep("    release(&smem.V_empty[last % STAGES]);", "    if (lane == 0) mbarrier_arrive(&smem.V_empty[last % STAGES]);")
+    rep("mbarrier_init(&smem.V_empty[s], CLUSTER * CONSUMER_WARPS);", "mbarrier_init(&smem.V_empty[s], CONSUMER_WARPS);")
+    rep("TMA multicast of K/V in 2-CTA clusters", "TMA multicast of K only in 2-CTA clusters")
 open(dst, "w").write(t)

@@ -4,7 +4,8 @@
 * one corrupted row of one head (or one LSE entry) of a correct output is rejected, at x1 and x10; the
   correct output here is the float64 reference rounded to bf16/fp32, the yardstick runs on the CPU
   (test_steps_gpu.py does the same with every step's real output);
-* a kernel-like computation in the kernels' precision class passes, so the bounds are not tighter than the class;
+* a kernel-like computation in the kernels' precision class passes, so the bounds are not tighter than the class,
+  with FlashAttention-4's conditional rescale too (and without O_P_ROUNDING it would not, on a peaked case);
 * the adversarial inputs have the property each is built for;
 * at ragged lengths, an output that let the zero-filled keys past seqlen_k into the softmax is rejected.
 """
@@ -41,8 +42,8 @@ def test_good_errors_pass():
 @pytest.mark.parametrize("field,value,match", [
     ("o_rel_frob", 2 * O_REL_FROB, "relative Frobenius"),
     ("o_rel_frob", math.nan, "relative Frobenius"),
-    ("o_max_abs", 2 * Errors(**GOOD).o_limit(), "O max abs"),
-    ("o_max_abs", math.nan, "O max abs"),
+    ("o_max_abs", 2 * Errors(**GOOD).o_limit(), "O error"),
+    ("o_max_abs", math.nan, "O error"),
     ("lse_max_abs", 2 * Errors(**GOOD).lse_limit(), "LSE max abs"),
     ("lse_max_abs", math.inf, "LSE max abs"),
     ("nonfinite_o", 1, "non-finite"),
@@ -67,9 +68,10 @@ def rounded_reference(case):
     return torch.from_numpy(case.o_ref).to(torch.bfloat16), torch.from_numpy(case.lse_ref).to(torch.float32)
 
 
-@pytest.fixture(scope="module", params=[1.0, 10.0], ids=["x1", "x10"])
+@pytest.fixture(scope="module", params=[(1.0, None), (10.0, None), (1.0, 0.3)], ids=["x1", "x10", "x1-scale0.3"])
 def cpu_case(request):
-    return prepare(*make_inputs(2, 3, 128, 192, factor=request.param, device="cpu"))
+    factor, scale = request.param
+    return prepare(*make_inputs(2, 3, 128, 192, factor=factor, device="cpu"), scale=scale)
 
 
 def test_correct_output_passes(cpu_case):
@@ -84,9 +86,11 @@ def test_one_corrupted_row_is_rejected(cpu_case, kind):
     assert any(CORRUPTIONS[kind] in b for b in bad), f"{kind} not rejected: {bad}; {replay()}"
 
 
-def tiled_attention_fp32(q, k, v, scale, tile_k):
+def tiled_attention_fp32(q, k, v, scale, tile_k, threshold=None):
     """A kernel in the precision class, on the CPU: online softmax over K tiles in fp32 (running max, alpha
-    rescales), exp2 with the scale folded in, P rounded to bf16 for P.V, l from fp32 P, O = acc / l in bf16."""
+    rescales), exp2 with the scale folded in, P rounded to bf16 for P.V, l from fp32 P, O = acc / l in bf16.
+    threshold: FlashAttention-4's conditional rescale (steps 13-14): the shift moves only when a tile's max
+    passes it by more than this (log2 units), so P runs up to 2^threshold."""
     q, k, v = q.float(), k.float(), v.float()
     scale_log2 = scale * math.log2(math.e)
     m = torch.full(q.shape[:-1], -math.inf)
@@ -94,6 +98,8 @@ def tiled_attention_fp32(q, k, v, scale, tile_k):
     for j in range(0, k.shape[-2], tile_k):
         s = q @ k[..., j:j + tile_k, :].transpose(-1, -2)
         m_new = torch.maximum(m, s.amax(-1))
+        if threshold is not None:
+            m_new = torch.where((m_new - m) * scale_log2 > threshold, m_new, m)
         alpha = torch.exp2((m - m_new) * scale_log2)
         p = torch.exp2((s - m_new[..., None]) * scale_log2)
         l_i = alpha * l_i + p.sum(-1)
@@ -102,9 +108,28 @@ def tiled_attention_fp32(q, k, v, scale, tile_k):
     return (acc / l_i[..., None]).to(torch.bfloat16), m * scale + torch.log(l_i)
 
 
-def test_a_kernel_in_the_class_passes(cpu_case):
-    err = errors_of(cpu_case, *tiled_attention_fp32(cpu_case.q, cpu_case.k, cpu_case.v, cpu_case.scale, 64))
+@pytest.mark.parametrize("threshold", [None, 8.0], ids=["running-max", "fa4-rescale"])
+def test_a_kernel_in_the_class_passes(cpu_case, threshold):
+    err = errors_of(cpu_case, *tiled_attention_fp32(cpu_case.q, cpu_case.k, cpu_case.v, cpu_case.scale, 64, threshold))
     assert not err.failures(), f"{err.failures()} ({err}); {replay()}"
+
+
+# Peaked rows (scale 0.3, the shape of test_steps_gpu.py's test_custom_scale for 128 x 128 tiles): the kernel-like
+# computation with FA4's rescale passes the verdict at every seed below, and fails it at one or more of them when
+# O_P_ROUNDING is 0 (the bound before it): the term is what lets a correct FA4 kernel through, not slack.
+PEAKED_SEEDS = range(12)
+
+
+@pytest.mark.parametrize("p_rounding", [checks.O_P_ROUNDING, 0.0], ids=["with", "without"])
+def test_fa4_rescale_needs_the_p_rounding_term(monkeypatch, p_rounding):
+    monkeypatch.setattr(checks, "O_P_ROUNDING", p_rounding)
+    failed = []
+    for seed in PEAKED_SEEDS:
+        case = prepare(*make_inputs(2, 2, 256, 512, seed=seed, device="cpu"), scale=0.3)
+        bad = errors_of(case, *tiled_attention_fp32(case.q, case.k, case.v, case.scale, 128, threshold=8.0)).failures()
+        failed += [seed] if bad else []
+        assert all("O error" in b for b in bad), bad
+    assert (failed == []) == (p_rounding > 0), f"seeds that failed: {failed}"
 
 
 TILES = [(64, 64), (128, 64), (128, 176)]  # steps 01, 02-07, and a tile that is not a power of two

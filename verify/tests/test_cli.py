@@ -78,7 +78,7 @@ def test_check_steps_a_hung_step_is_killed_and_the_next_step_runs(tmp_path, monk
                     f.write(str(child.pid))
                 time.sleep(3600)
     """))
-    limit, lines = 8, []
+    limit, lines = 20, []  # the passing step must start pytest within it on a machine busy with other checks
     t0 = time.monotonic()
     verdicts = verify_main.check_steps(["step41", "step42", "step43"], limit, tests=tests, log=lines.append)
     elapsed = time.monotonic() - t0

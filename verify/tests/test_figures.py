@@ -93,6 +93,8 @@ def numbers_in(text: str) -> list[tuple[float, float]]:
     out = []
     for whole, frac, exp in NUMBER_IN_TEXT.findall(text):
         e = int(exp or 0)
+        if abs(e) > 300:  # not a number: a hash such as 7e98024 in a log
+            continue
         out.append((float(f"{whole.replace(',', '')}.{frac or 0}e{e}"), 10.0 ** (e - len(frac))))
     return out
 
