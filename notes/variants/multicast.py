@@ -4,7 +4,10 @@
     python notes/variants/multicast.py steps/step14/kernel.cu .scratch/var/multicast_k/kernel.cu k-only
 
 Measured in results/h200/dev/2026-11-29-multicast.log. k-only: only K is multicast (and only the K slots are
-shared by the pair); V is loaded by each CTA as in step14.
+shared by the pair); V is loaded by each CTA as in step14. Two more, to find where the clusters lose:
+cluster-only: the clusters, work units and cluster barriers, but every CTA loads whole tiles for itself and
+its slots are its own (no multicast, no remote arrive); local-arrive: the full multicast, with a warp's arrive
+on its own CTA's empty barrier a plain local one (only the peer's goes through mapa).
 
 Why (NOTES.md, "Where step14's time goes"): the H200 runs these kernels at its power limit, and halving the K/V
 loads from L2 measured +2.3 % at N = 4K and 16K. What it changes, all against step14 (commit 1671cb0 or later):
@@ -20,9 +23,12 @@ loads from L2 measured +2.3 % at N = 4K and 16K. What it changes, all against st
   * The grid is 2 x the clusters that fit at once (cudaOccupancyMaxActiveClusters).
 """
 import sys
+from pathlib import Path
 
 src, dst = sys.argv[1], sys.argv[2]
-k_only = sys.argv[3:] == ["k-only"]
+mode = sys.argv[3] if len(sys.argv) > 3 else "multicast"
+assert mode in ("multicast", "k-only", "cluster-only", "local-arrive"), mode
+k_only = mode == "k-only"
 t = open(src).read()
 
 
@@ -167,4 +173,19 @@ if k_only:
     rep("    release(&smem.V_empty[last % STAGES]);", "    if (lane == 0) mbarrier_arrive(&smem.V_empty[last % STAGES]);")
     rep("mbarrier_init(&smem.V_empty[s], CLUSTER * CONSUMER_WARPS);", "mbarrier_init(&smem.V_empty[s], CONSUMER_WARPS);")
     rep("TMA multicast of K/V in 2-CTA clusters", "TMA multicast of K only in 2-CTA clusters")
-open(dst, "w").write(t)
+if mode == "cluster-only":
+    for X, x in (("K", "k"), ("V", "v")):
+        rep(f"""            load_half_tile_multicast<BLOCK_N>(smem.{X}[stage], &{X}_map, row, tma_coord(p.{x}_stride[1], w.head),
+                                              tma_coord(p.{x}_stride[0], w.batch), &smem.{X}_full[stage], rank);""",
+            f"""            load_tile_tma<BLOCK_N>(smem.{X}[stage], &{X}_map, row, tma_coord(p.{x}_stride[1], w.head),
+                                   tma_coord(p.{x}_stride[0], w.batch), &smem.{X}_full[stage]);""")
+    rep("            for (int cta = 0; cta < CLUSTER; ++cta) mbarrier_arrive_in_cta(empty, cta);", "            mbarrier_arrive(empty);")
+    rep("mbarrier_init(&smem.K_empty[s], CLUSTER * CONSUMER_WARPS), mbarrier_init(&smem.V_empty[s], CLUSTER * CONSUMER_WARPS);",
+        "mbarrier_init(&smem.K_empty[s], CONSUMER_WARPS), mbarrier_init(&smem.V_empty[s], CONSUMER_WARPS);")
+    rep("TMA multicast of K/V in 2-CTA clusters", "2-CTA clusters without multicast")
+if mode == "local-arrive":
+    rep("            for (int cta = 0; cta < CLUSTER; ++cta) mbarrier_arrive_in_cta(empty, cta);",
+        "            mbarrier_arrive(empty), mbarrier_arrive_in_cta(empty, rank ^ 1);")
+    rep("TMA multicast of K/V in 2-CTA clusters", "TMA multicast of K/V in 2-CTA clusters, local arrives local")
+Path(dst).parent.mkdir(parents=True, exist_ok=True)
+Path(dst).write_text(t)
