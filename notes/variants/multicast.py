@@ -7,7 +7,11 @@ Measured in results/h200/dev/2026-11-29-multicast.log. k-only: only K is multica
 shared by the pair); V is loaded by each CTA as in step14. Two more, to find where the clusters lose:
 cluster-only: the clusters, work units and cluster barriers, but every CTA loads whole tiles for itself and
 its slots are its own (no multicast, no remote arrive); local-arrive: the full multicast, with a warp's arrive
-on its own CTA's empty barrier a plain local one (only the peer's goes through mapa).
+on its own CTA's empty barrier a plain local one (only the peer's goes through mapa); launch-only: step14
+itself with __cluster_dims__(2, 1, 1) and nothing else. A fourth argument, early-exit, lets the producer
+warpgroup exit when it is done (as in step14) instead of waiting at the final cluster barrier:
+
+    python notes/variants/multicast.py steps/step14/kernel.cu .scratch/var/mc_multicast_exit/kernel.cu multicast early-exit
 
 Why (NOTES.md, "Where step14's time goes"): the H200 runs these kernels at its power limit, and halving the K/V
 loads from L2 measured +2.3 % at N = 4K and 16K. What it changes, all against step14 (commit 1671cb0 or later):
@@ -27,9 +31,16 @@ from pathlib import Path
 
 src, dst = sys.argv[1], sys.argv[2]
 mode = sys.argv[3] if len(sys.argv) > 3 else "multicast"
-assert mode in ("multicast", "k-only", "cluster-only", "local-arrive"), mode
+assert mode in ("multicast", "k-only", "cluster-only", "local-arrive", "launch-only"), mode
+early_exit = sys.argv[4:] == ["early-exit"]
 k_only = mode == "k-only"
 t = open(src).read()
+if mode == "launch-only":  # step14 itself, launched in clusters of 2 that it does not use
+    old = "__global__ void __launch_bounds__(NUM_THREADS, 1)"
+    assert t.count(old) == 1
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    Path(dst).write_text(t.replace(old, "__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NUM_THREADS, 1)"))
+    sys.exit()
 
 
 def rep(old, new, n=1):
@@ -187,5 +198,19 @@ if mode == "local-arrive":
     rep("            for (int cta = 0; cta < CLUSTER; ++cta) mbarrier_arrive_in_cta(empty, cta);",
         "            mbarrier_arrive(empty), mbarrier_arrive_in_cta(empty, rank ^ 1);")
     rep("TMA multicast of K/V in 2-CTA clusters", "TMA multicast of K/V in 2-CTA clusters, local arrives local")
+if early_exit:  # the producer warpgroup leaves when done, as in step14, instead of waiting at the last cluster barrier
+    rep("""        if (threadIdx.x == 0) producer_load(smem, p, Q_map, K_map, V_map);  // the other 127 threads wait below
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        consumer_mma(smem, p, O_map, warpgroup - 1);
+    }
+    __syncwarp();    // barrier.cluster's .aligned form wants whole warps
+    cluster_sync();  // the peer may still arrive on this CTA's barriers: neither CTA leaves before both are done""",
+        """        if (threadIdx.x == 0) producer_load(smem, p, Q_map, K_map, V_map);
+        return;  // an exited thread counts as arrived at barrier.cluster (PTX ISA, exit): the producer warps leave
+    }
+    setmaxnreg_inc<CONSUMER_REGS>();
+    consumer_mma(smem, p, O_map, warpgroup - 1);
+    cluster_sync();  // the peer may still arrive on this CTA's barriers: the consumers wait for both CTAs' consumers""")
 Path(dst).parent.mkdir(parents=True, exist_ok=True)
 Path(dst).write_text(t)
