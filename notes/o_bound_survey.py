@@ -5,8 +5,8 @@
 For each step and case, over seeds 0 .. N-1 (fresh inputs per seed, as the checks make them): the largest ratio
 of a step's O error to the bound (over every element: the new bound differs per element), and how many seeds
 fail it, for the bound before O_P_ROUNDING (2x the yardstick's max error + O_ATOL) and for the bound of
-verify/checks.py now. The cases are the ones where peaked
-rows made steps 13-14 fail the old bound once each (custom scale 0.3; a ragged shape at x10) and a tiled x10 case.
+verify/checks.py now. The cases are the ones where peaked rows made steps 13-14 fail the old bound once each
+(custom scale 0.3; a ragged shape at x10) and a tiled x10 case.
 """
 import argparse
 import sys

@@ -80,7 +80,8 @@ def takes_any_seqlen(mod):
 def test_any_seqlen(mod, shape, factor):
     """At x1 a zero key that escaped the mask adds e^0 to l against row scores near 3, so it moves the LSE by
     log(1 + escaped / l), >= ~1e-3 at these shapes, ~100x the LSE bound (test_checks.py shows the verdict
-    rejecting it); x10 puts the peaked rows of FA4's rescale into as few as 5 rows (checks.O_P_ROUNDING)."""
+    rejecting it). x10 makes the rows peaked, where steps 13-14's conditional rescale rounds a dominant P that the
+    yardstick gets exactly (checks.O_P_ROUNDING), and here in outputs of as few as 5 rows."""
     if not takes_any_seqlen(mod):
         pytest.skip("this step needs seqlens that are multiples of its tiles (test_errors.py checks it says so)")
     case = random_case(*shape, factor)
