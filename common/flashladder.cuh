@@ -19,6 +19,9 @@
 #define FLASHLADDER_ABI_VERSION 2
 
 constexpr int HEAD_DIM = 128;  // the ladder's one head size (docs/ladder.md: fixed scope)
+constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) = 2^(x * LOG2E), so a softmax can use ex2
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Everything a forward call needs. Mirrored field by field in common/binding.py (ctypes).
 // Strides are in elements; the last dimension (HEAD_DIM) is contiguous (stride 1) for all four tensors.

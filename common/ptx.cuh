@@ -125,20 +125,3 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
-
-// 2^x on the FMA pipe instead of MUFU (FlashAttention-4's trick for when the 16-per-clock MUFU unit is the
-// bottleneck): x = j + f with j = round(x), f in [-0.5, 0.5]; 2^f by a degree-3 polynomial (max relative
-// error 7.5e-5, far below bf16's 2^-9 rounding of P; coefficients fitted for relative error on that
-// interval, mirrored in verify/exp2_poly.py); 2^j by adding j to the exponent bits. Adding 1.5 * 2^23
-// rounds x to an integer that lands in the low mantissa bits of t, so (bits of t) << 23 is j << 23.
-// Valid for x <= 127; x is clamped at -126 (where 2^x is 0 for every purpose here). 2 FADD, 3 FFMA, one
-// FMNMX, FADD, SHL and IADD: all FMA/ALU-pipe instructions.
-__device__ __forceinline__ float exp2_poly3(float x) {
-    constexpr float ROUND = 12582912.f;  // 1.5 * 2^23
-    constexpr float C0 = 0.99992806f, C1 = 0.69326097f, C2 = 0.24261113f, C3 = 0.055171665f;
-    x = fmaxf(x, -126.f);
-    const float t = __fadd_rn(x, ROUND);       // round(x) in t's low bits (__fadd_rn: never contracted)
-    const float f = __fsub_rn(x, __fsub_rn(t, ROUND));
-    const float p = fmaf(fmaf(fmaf(C3, f, C2), f, C1), f, C0);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}

@@ -28,8 +28,8 @@ __device__ __forceinline__ int swizzle_128b(int row, int col) {
 //     half h = col / 64 at element offset h * ROWS * 64; inside it, chunk c of row r at chunk c ^ (r % 8).
 // Inside a half this is swizzle_128b<64>; the tile base must be 1024-byte aligned for the XOR to line up
 // with the hardware's (it reads the address bits, not the offset).
+constexpr int TMA_HALF_COLS = 64;  // 64 bf16 = 128 bytes: the widest row the 128-byte swizzle handles
 template <int ROWS>
 __device__ __forceinline__ int swizzle_tma_128b(int row, int col) {
-    constexpr int HALF = 64;  // 64 bf16 = 128 bytes: the widest row the 128-byte swizzle handles
-    return (col / HALF) * ROWS * HALF + swizzle_128b<HALF>(row, col % HALF);
+    return (col / TMA_HALF_COLS) * ROWS * TMA_HALF_COLS + swizzle_128b<TMA_HALF_COLS>(row, col % TMA_HALF_COLS);
 }

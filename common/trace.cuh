@@ -47,9 +47,9 @@ enum TraceEvent : uint32_t {
     TRACE_GEMM_ISSUED = 8,             // consumer: after a wgmma_commit_group: one more commit group on its way
     TRACE_GEMM_WAITED_ALL = 9,         // consumer: after wgmma_wait_group<0>: every group issued so far is complete
     TRACE_GEMM_WAITED_ALL_BUT_1 = 10,  // ... after wgmma_wait_group<1>: all but the newest group are complete
-    TRACE_SOFTMAX_BEGIN = 11,          // consumer: the online softmax of a tile (from step12 on: its part on S alone)
+    TRACE_SOFTMAX_BEGIN = 11,          // consumer: the online softmax of a tile (from step13 on: its part on S alone)
     TRACE_SOFTMAX_END = 12,
-    TRACE_RESCALE_BEGIN = 13,          // consumer, from step12 on: the softmax's second part (rescale O, P to bf16)
+    TRACE_RESCALE_BEGIN = 13,          // consumer, from step13 on: the softmax's second part (rescale O, P to bf16)
     TRACE_RESCALE_END = 14,
     TRACE_TURN_WAIT_BEGIN = 15,        // consumer, ping-pong: before it waits for its turn on the tensor cores
     TRACE_TURN_WAIT_END = 16,
@@ -93,6 +93,18 @@ __device__ __forceinline__ void trace_event(uint32_t event, int argument) {
 
 #define TRACE_EVENT(event, argument) trace_event((event), (argument))
 
+// A span: TRACE_SPAN(TRACE_X_BEGIN, argument) records TRACE_X_BEGIN where it stands and TRACE_X_END (the
+// next value of the enum) where its scope closes, so a phase is traced by one line at its top.
+struct TraceSpan {
+    uint32_t end;
+    int argument;
+    __device__ __forceinline__ TraceSpan(uint32_t begin, int arg) : end(begin + 1), argument(arg) { trace_event(begin, arg); }
+    __device__ __forceinline__ ~TraceSpan() { trace_event(end, argument); }
+};
+#define TRACE_SPAN_NAME(line) trace_span_##line
+#define TRACE_SPAN_AT(line, event, argument) TraceSpan TRACE_SPAN_NAME(line)((event), (argument))
+#define TRACE_SPAN(event, argument) TRACE_SPAN_AT(__LINE__, event, argument)
+
 // ---- host side (trace builds only): the buffer's shape, and reading it back; each returns a cudaError_t ----
 FLASHLADDER_EXPORT int flashladder_trace_max_warps() { return TRACE_MAX_WARPS; }
 FLASHLADDER_EXPORT int flashladder_trace_events_per_warp() { return TRACE_EVENTS_PER_WARP; }
@@ -125,6 +137,9 @@ FLASHLADDER_EXPORT int flashladder_trace_read_warp(int warp, uint64_t* dst, int 
 
 #define TRACE_EVENT(event, argument) \
     do {                             \
+    } while (0)
+#define TRACE_SPAN(event, argument) \
+    do {                            \
     } while (0)
 
 #endif  // FLASHLADDER_TRACE

@@ -23,6 +23,8 @@
 
 #include <cstdint>
 
+constexpr int WARPGROUP_THREADS = 128;  // 4 warps: the unit that issues a wgmma
+
 // ---- matrix descriptors ----
 // A 64-bit description of a matrix in shared memory (PTX ISA: "Asynchronous Warpgroup Level Matrix
 // Shared Memory Layout: Matrix Descriptor Format"):
@@ -33,8 +35,8 @@
 // With the 128-byte swizzle (TMA's layout here, common/swizzle.cuh) the unit is an 8-row x 128-byte
 // ATOM (1024 bytes), rows 128 bytes apart, and:
 //   K-major (Q, K: [row, dim], K = dim contiguous): SBO = distance between 8-row groups (1024 in a dense
-//     half-tile); LBO unused (1 by convention). The next k-step of 16 elements starts 32 bytes further
-//     inside the atom: the hardware applies the XOR to the address it is given.
+//     half-tile); LBO is unused, its field set to 1 (16 bytes) by convention. The next k-step of 16
+//     elements starts 32 bytes further inside the atom: the hardware applies the XOR to the address it is given.
 //   N-major (V: [key, dim], N = dim contiguous, K = key): LBO = distance between 64-column halves along N,
 //     SBO = distance between 8-key groups along K (1024). The next k-step of 16 keys starts 2 atoms further.
 constexpr uint64_t WGMMA_SWIZZLE_128B = 1;
@@ -42,6 +44,16 @@ __host__ __device__ constexpr uint64_t wgmma_desc(uint32_t smem_addr, uint32_t l
                                                   uint64_t swizzle = WGMMA_SWIZZLE_128B) {
     return uint64_t((smem_addr & 0x3FFFF) >> 4) | (uint64_t((lbo_bytes & 0x3FFFF) >> 4) << 16) |
            (uint64_t((sbo_bytes & 0x3FFFF) >> 4) << 32) | (swizzle << 62);
+}
+// The two layouts the steps use, both as TMA writes a tile (common/swizzle.cuh: 128-byte swizzle, dense
+// 1024-byte atoms of 8 rows). K-major: Q and K, read along the head dim. N-major: V, read along the keys;
+// `half_bytes` is the distance between its two 64-column halves (rows x 128 bytes).
+constexpr uint32_t WGMMA_ATOM_BYTES = 8 * 128;  // one 8-row x 128-byte swizzle atom
+__host__ __device__ constexpr uint64_t wgmma_desc_kmajor(uint32_t smem_addr) {
+    return wgmma_desc(smem_addr, 16, WGMMA_ATOM_BYTES);
+}
+__host__ __device__ constexpr uint64_t wgmma_desc_nmajor(uint32_t smem_addr, uint32_t half_bytes) {
+    return wgmma_desc(smem_addr, half_bytes, WGMMA_ATOM_BYTES);
 }
 
 // ---- ordering ----
@@ -64,7 +76,7 @@ __device__ __forceinline__ void wgmma_fence_operands(T (&regs)[N]) {
 }
 // Not about correctness: where ptxas puts a wait. The source order "work; wgmma_wait_group<0>()" does not
 // make the work run while the group is in flight: ptxas may move the wait up, above independent work (steps
-// 12-14 write their softmax there, and in step12 ptxas puts the wait for P V before its exponentials). With a
+// 13-14 write their softmax there, and without this fence ptxas puts the wait for P V before its exponentials). With a
 // CTA-scope memory fence just before the wait, ptxas (in these builds) keeps the wait below the work. A
 // compiler's choice, not a rule of the ISA: verify/tests/test_sass.py checks the SASS of each step that relies
 // on it. Cost: one MEMBAR, with nothing to wait for but the warp's last mbarrier arrive.

@@ -2,7 +2,7 @@
 //
 // The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
-// 10 warp specialization -> 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax -> 14 persistent.
+// 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP05
 //   The same math with fewer instructions around each mma. ncu on step05's kernel shape (8 warps x 16
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdPar
     for (int kk = 0; kk < QK_STEPS; ++kk)
         ldmatrix_x4(Q_frag[kk], Q_lane ^ (kk * KSTEP_BYTES));
 
-    const float scale_log2 = p.scale * 1.4426950408889634f;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
+    const float scale_log2 = p.scale * LOG2E;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
     float m_i[2] = {-INFINITY, -INFINITY};  // running max of rows quad_row, quad_row+8 (RAW scores)
     float l_i[2] = {0.f, 0.f};              // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
     float O_acc[O_BLOCKS][4];               // [16 rows, 128 dims] as 16 accumulators of 16x8

@@ -2,7 +2,7 @@
 //
 // The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
-// 10 warp specialization -> 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax -> 14 persistent.
+// 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP06
 //   A warp now owns 32 query rows, two 16-row mma blocks, instead of 16: 4 warps x 32 rows make the same
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdPar
     const uint32_t Q_lane = smem_u32(Q_smem + swizzle_128b<HEAD_DIM>(warp * ROWS_PER_WARP + lane % 16, (lane / 16) * 8));
     const uint32_t K_lane = 2 * swizzle_128b<HEAD_DIM>((lane / 16) * 8 + lane % 8, ((lane / 8) % 2) * 8);  // bytes into a tile
     const uint32_t V_lane = 2 * swizzle_128b<HEAD_DIM>(lane % 16, (lane / 16) * 8);
-    const float scale_log2 = p.scale * 1.4426950408889634f;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
+    const float scale_log2 = p.scale * LOG2E;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
     float m_i[M_BLOCKS][2];                 // running max of rows quad_row, quad_row+8 of each block (RAW scores)
     float l_i[M_BLOCKS][2];                 // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
     float O_acc[M_BLOCKS][O_BLOCKS][4];     // [32 rows, 128 dims] as 2 x 16 accumulators of 16x8

@@ -2,7 +2,7 @@
 //
 // The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
-// 10 warp specialization -> 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax -> 14 persistent.
+// 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP07
 //   The first Hopper-only hardware: the Tensor Memory Accelerator (TMA) loads the tiles. Until now every
@@ -21,13 +21,20 @@
 //   * The ring: STAGES = 2 slots, as step07's double buffer. After computing tile j, a __syncthreads tells
 //     thread 0 that every warp is done with slot j % 2, and it refills the slot with tile j + 2 first thing
 //     in the next iteration (placed there for registers: see Step 2).
+//   * Any sequence length, for q and k/v alike (steps 01-07 need multiples of their tiles). TMA makes it
+//     nearly free: a load's rows past the tensor's end arrive as zeros. Tiles are counted with a ceiling,
+//     and three lines of math change: the zero keys' scores (0, not -inf) become -inf before their softmax,
+//     and the O and LSE stores skip rows past seqlen_q. The K/V walk runs from the LAST tile to the first,
+//     so the one partial tile is tile 0, masked behind a branch taken once (from step11 on, tile 0 has a
+//     GEMM block of its own, and only that block carries the mask).
 //   The math is untouched: still mma.sync with ldmatrix fragments; 4 warps x 32 rows, 2 blocks per SM.
 //
 // PREDICTION: little. The copies were never the bottleneck at this size (compute-bound ~45x at N = 16K),
 //   and step07's cp.async already overlapped them with compute. What TMA saves is issue slots: ~24
 //   instructions per thread per tile for the copies and their addresses (against ~1700 per tile in all),
 //   so +0-3%. It matters later: wgmma (step09) reads its operands straight from this swizzled layout, and a
-//   producer warp (step10) can keep the ring full alone because one thread issues every copy.
+//   producer warp (step10) can keep the ring full alone because one thread issues every copy. Any seqlen:
+//   free at the lengths of record (one compare per tile; the mask runs only on a partial tile).
 // MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
 //   351.7 / 360.1 / 362.2 -> 378.4 / 381.9 / 382.6 TFLOP/s (1.08 / 1.06 / 1.06x), above the prediction.
 //   The instruction count alone does not explain it; not profiled yet. A likely part: the TMA copies take
@@ -52,27 +59,39 @@ constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 accumulators of 1
 constexpr int QK_STEPS = HEAD_DIM / 16;               // k-steps of S = Q K^T over the head dim
 constexpr int PV_STEPS = BLOCK_N / 16;                // k-steps of O += P V over the keys
 constexpr int STAGES = 2;                             // K/V ring slots: compute one while the other fills
-constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * sizeof(__nv_bfloat16);   // 32 KB
-constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * sizeof(__nv_bfloat16);  // 16 KB: one K (or V) tile
-constexpr int NUM_BARRIERS = 1 + 2 * STAGES;                          // Q, and K and V of every slot
-constexpr int SMEM_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + NUM_BARRIERS * sizeof(uint64_t);
 // Byte distances inside a TMA-swizzled [rows, HEAD_DIM] tile (common/swizzle.cuh: two 64-column halves),
 // for the XOR addressing:
-constexpr int ROW_BYTES = 64 * sizeof(__nv_bfloat16);        // 128: one row of one half
-constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);      // 32: 16 columns, one k-step of Q K^T
-constexpr int DBLOCK_BYTES = 8 * sizeof(__nv_bfloat16);      // 16: 8 columns, one dim block of P V
-constexpr int KSTEPS_PER_HALF = 64 / 16;                     // k-steps 0-3 read half 0, 4-7 half 1
-constexpr int DBLOCKS_PER_HALF = 64 / 8;                     // dim blocks 0-7 in half 0, 8-15 in half 1
+constexpr int ROW_BYTES = TMA_HALF_COLS * sizeof(__nv_bfloat16);  // 128: one row of one half
+constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);           // 32: 16 columns, one k-step of Q K^T
+constexpr int DBLOCK_BYTES = 8 * sizeof(__nv_bfloat16);           // 16: 8 columns, one dim block of P V
+constexpr int KSTEPS_PER_HALF = TMA_HALF_COLS / 16;               // k-steps 0-3 read half 0, 4-7 half 1
+constexpr int DBLOCKS_PER_HALF = TMA_HALF_COLS / 8;               // dim blocks 0-7 in half 0, 8-15 in half 1
 static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole 16-row mma blocks");
+
+// Shared memory. The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the
+// address bits 4-9, so every tile must start on a 1024-byte boundary for the XOR addressing below to match
+// what TMA wrote.
+struct alignas(1024) SharedStorage {
+    __nv_bfloat16 Q[BLOCK_M * HEAD_DIM];          // [2 halves, BLOCK_M, 64]
+    __nv_bfloat16 K[STAGES][BLOCK_N * HEAD_DIM];  // [2 halves, BLOCK_N, 64] per slot
+    __nv_bfloat16 V[STAGES][BLOCK_N * HEAD_DIM];
+    uint64_t Q_full;                              // Q has landed (one phase)
+    uint64_t K_full[STAGES], V_full[STAGES];      // slot s holds its tile: thread 0's expect_tx + TMA bytes
+};
+constexpr int SMEM_BYTES = sizeof(SharedStorage);
+
+// The K/V walk runs from the last tile to the first: the one partial tile (seqlen_k not a multiple of BLOCK_N)
+// is the first one, and only its scores are masked.
+__device__ __forceinline__ int kv_row(int kv_tile, int num_kv_tiles) { return (num_kv_tiles - 1 - kv_tile) * BLOCK_N; }
 
 // One thread asks the TMA unit for a [ROWS, HEAD_DIM] tile starting at `row` of (head, batch): two boxes of
 // [ROWS, 64] (the two swizzled halves), both completing on `bar`, which first learns how many bytes to expect.
+// Rows past the tensor's end arrive as zeros.
 template <int ROWS>
 __device__ void load_tile_tma(__nv_bfloat16* dst_smem, const CUtensorMap* map, int row, int head, int batch, uint64_t* bar) {
-    constexpr int HALF = ROWS * 64;  // elements in one half
     mbarrier_arrive_expect_tx(bar, ROWS * HEAD_DIM * sizeof(__nv_bfloat16));
     cp_async_bulk_tensor_4d_global_to_shared(dst_smem, map, 0, row, head, batch, bar);
-    cp_async_bulk_tensor_4d_global_to_shared(dst_smem + HALF, map, 64, row, head, batch, bar);
+    cp_async_bulk_tensor_4d_global_to_shared(dst_smem + ROWS * TMA_HALF_COLS, map, TMA_HALF_COLS, row, head, batch, bar);
 }
 
 // Max / sum over the 4 threads of a quad (lanes 4r..4r+3 of a warp hold one query row).
@@ -89,42 +108,37 @@ __device__ __forceinline__ float quad_sum(float x) {
 __global__ void __launch_bounds__(NUM_THREADS)
     attention_fwd_kernel(const FwdParams p, const __grid_constant__ CUtensorMap Q_map,
                          const __grid_constant__ CUtensorMap K_map, const __grid_constant__ CUtensorMap V_map) {
-    // 1024-byte aligned: TMA's 128-byte swizzle is a function of the address bits 4-9, so every tile must
-    // start on a 1024-byte boundary for the XOR addressing below to match what TMA wrote.
-    extern __shared__ __align__(1024) unsigned char smem[];
-    __nv_bfloat16* Q_smem = reinterpret_cast<__nv_bfloat16*>(smem);  // [2 halves, BLOCK_M, 64]
-    __nv_bfloat16* K_smem = Q_smem + BLOCK_M * HEAD_DIM;              // [STAGES, 2 halves, BLOCK_N, 64]
-    __nv_bfloat16* V_smem = K_smem + STAGES * BLOCK_N * HEAD_DIM;     // [STAGES, 2 halves, BLOCK_N, 64]
-    uint64_t* Q_full = reinterpret_cast<uint64_t*>(V_smem + STAGES * BLOCK_N * HEAD_DIM);  // Q has landed
-    uint64_t* K_full = Q_full + 1;                                    // [STAGES]: slot s holds its K tile
-    uint64_t* V_full = K_full + STAGES;                               // [STAGES]: slot s holds its V tile
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
     const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int quad_row = lane / 4;   // this lane holds rows quad_row and quad_row + 8 of each 16-row block
     const int quad_col = lane % 4;   // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
-    const int num_kv_tiles = p.seqlen_k / BLOCK_N;
+    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);  // the last one may be partial: TMA fills zeros
     // Issued by thread 0 only. The head and batch coordinates are recomputed from the parameters at each
     // call rather than kept in registers all loop long (this kernel has none to spare).
     auto load_kv = [&](int kv_tile, int stage) {
-        load_tile_tma<BLOCK_N>(K_smem + stage * BLOCK_N * HEAD_DIM, &K_map, kv_tile * BLOCK_N, tma_coord(p.k_stride[1], head),
-                               tma_coord(p.k_stride[0], batch), &K_full[stage]);
-        load_tile_tma<BLOCK_N>(V_smem + stage * BLOCK_N * HEAD_DIM, &V_map, kv_tile * BLOCK_N, tma_coord(p.v_stride[1], head),
-                               tma_coord(p.v_stride[0], batch), &V_full[stage]);
+        const int row = kv_row(kv_tile, num_kv_tiles);
+        load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, row, tma_coord(p.k_stride[1], head),
+                               tma_coord(p.k_stride[0], batch), &smem.K_full[stage]);
+        load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, row, tma_coord(p.v_stride[1], head),
+                               tma_coord(p.v_stride[0], batch), &smem.V_full[stage]);
     };
 
     // Step 1: thread 0 sets up the barriers (one arrival each: its own expect_tx) and fills the ring: Q
     // and the first STAGES K/V tiles are in flight together. Everyone else goes straight to waiting.
     if (threadIdx.x == 0) {
-        for (int i = 0; i < NUM_BARRIERS; ++i) mbarrier_init(&Q_full[i], 1);
+        mbarrier_init(&smem.Q_full, 1);
+        for (int s = 0; s < STAGES; ++s) mbarrier_init(&smem.K_full[s], 1), mbarrier_init(&smem.V_full[s], 1);
         fence_mbarrier_init();  // the inits are visible to the TMA unit before the first copy completes on them
         prefetch_tensormap(&Q_map), prefetch_tensormap(&K_map), prefetch_tensormap(&V_map);
-        load_tile_tma<BLOCK_M>(Q_smem, &Q_map, q_tile * BLOCK_M, tma_coord(p.q_stride[1], head), tma_coord(p.q_stride[0], batch),
-                               Q_full);
+        load_tile_tma<BLOCK_M>(smem.Q, &Q_map, q_tile * BLOCK_M, tma_coord(p.q_stride[1], head), tma_coord(p.q_stride[0], batch),
+                               &smem.Q_full);
         for (int s = 0; s < STAGES && s < num_kv_tiles; ++s) load_kv(s, s);
     }
     __syncthreads();               // no thread waits on a barrier before thread 0 has initialized it
-    mbarrier_wait_parity(Q_full, 0);  // Q's one and only phase
+    mbarrier_wait_parity(&smem.Q_full, 0);  // Q's one and only phase
 
     // Each lane's ldmatrix byte address at k-step 0, block 0 (the lane patterns are step05's, with x4 for
     // K and V): another k-step is an XOR inside the 128-byte swizzle span plus a half's offset, another block
@@ -134,10 +148,10 @@ __global__ void __launch_bounds__(NUM_THREADS)
     //      likewise: the B fragments of two 8-key blocks.
     //   V: lanes 0-15 give keys 0-15 at dims +0, lanes 16-31 the same keys at dims +8, transposed: the B
     //      fragments of two 8-dim blocks.
-    const uint32_t Q_lane = smem_u32(Q_smem + swizzle_tma_128b<BLOCK_M>(warp * ROWS_PER_WARP + lane % 16, (lane / 16) * 8));
+    const uint32_t Q_lane = smem_u32(smem.Q + swizzle_tma_128b<BLOCK_M>(warp * ROWS_PER_WARP + lane % 16, (lane / 16) * 8));
     const uint32_t K_lane = 2 * swizzle_tma_128b<BLOCK_N>((lane / 16) * 8 + lane % 8, ((lane / 8) % 2) * 8);  // bytes into a tile
     const uint32_t V_lane = 2 * swizzle_tma_128b<BLOCK_N>(lane % 16, (lane / 16) * 8);
-    const float scale_log2 = p.scale * 1.4426950408889634f;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
+    const float scale_log2 = p.scale * LOG2E;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
     float m_i[M_BLOCKS][2];                 // running max of rows quad_row, quad_row+8 of each block (RAW scores)
     float l_i[M_BLOCKS][2];                 // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
     float O_acc[M_BLOCKS][O_BLOCKS][4];     // [32 rows, 128 dims] as 2 x 16 accumulators of 16x8
@@ -147,6 +161,7 @@ __global__ void __launch_bounds__(NUM_THREADS)
         for (int db = 0; db < O_BLOCKS; ++db)
             for (int i = 0; i < 4; ++i) O_acc[mb][db][i] = 0.f;
     }
+    const int first_tile_keys = p.seqlen_k - (num_kv_tiles - 1) * BLOCK_N;  // 1 .. BLOCK_N: K/V tile 0 is the last
 
     constexpr int KV_HALF_BYTES = BLOCK_N * ROW_BYTES, Q_HALF_BYTES = BLOCK_M * ROW_BYTES;
     for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile) {
@@ -159,9 +174,9 @@ __global__ void __launch_bounds__(NUM_THREADS)
         // This tile's slot, and the parity of its fill (the slot's n-th use completes phase n).
         const int stage = kv_tile % STAGES;
         const uint32_t parity = (kv_tile / STAGES) % 2;
-        const uint32_t K_tile = smem_u32(K_smem + stage * BLOCK_N * HEAD_DIM) + K_lane;
-        const uint32_t V_tile = smem_u32(V_smem + stage * BLOCK_N * HEAD_DIM) + V_lane;
-        mbarrier_wait_parity(&K_full[stage], parity);  // K has landed (V may still be on its way)
+        const uint32_t K_tile = smem_u32(smem.K[stage]) + K_lane;
+        const uint32_t V_tile = smem_u32(smem.V[stage]) + V_lane;
+        mbarrier_wait_parity(&smem.K_full[stage], parity);  // K has landed (V may still be on its way)
 
         // Step 3: S = Q K^T on the tensor cores: [32 rows, 64 keys] per warp, in fp32 accumulators.
         // The k-step loop stays rolled: unrolled, ptxas hoists the fragment loads of later k-steps and
@@ -186,6 +201,14 @@ __global__ void __launch_bounds__(NUM_THREADS)
                 }
             }
         }
+
+        // Any seqlen_k: tile 0 may hold fewer than BLOCK_N keys. TMA filled the rest of its K and V with zeros,
+        // whose scores (0, not -inf) must not count: they become -inf before the softmax (2^-inf = 0).
+        if (kv_tile == 0 && first_tile_keys < BLOCK_N)
+            for (int mb = 0; mb < M_BLOCKS; ++mb)
+                for (int nb = 0; nb < S_BLOCKS; ++nb)
+                    for (int i = 0; i < 4; ++i)  // S_acc[mb][nb][i] is key 8 nb + 2 quad_col + i % 2 (common/ptx.cuh)
+                        if (8 * nb + 2 * quad_col + i % 2 >= first_tile_keys) S_acc[mb][nb][i] = -INFINITY;
 
         // Step 4: the online-softmax update for this lane's rows (r = 0: quad_row, r = 1: quad_row + 8 of
         // row block mb). S_acc[mb][nb][2r..2r+1] are raw scores; they become the probabilities P in place.
@@ -213,7 +236,7 @@ __global__ void __launch_bounds__(NUM_THREADS)
         }
 
         // Step 5: O += P V. Two neighbouring 8-key accumulators of P form one 16x16 A fragment (bf16).
-        mbarrier_wait_parity(&V_full[stage], parity);
+        mbarrier_wait_parity(&smem.V_full[stage], parity);
         for (int kk = 0; kk < PV_STEPS; ++kk) {
             uint32_t P_frag[M_BLOCKS][4];
             for (int mb = 0; mb < M_BLOCKS; ++mb) {
@@ -236,11 +259,13 @@ __global__ void __launch_bounds__(NUM_THREADS)
     }
 
     // Step 6: the row sums' quad parts added up, the final normalization, once per row, and the log-sum-exp.
+    // Rows past seqlen_q (zeros from TMA) are computed, not stored.
     for (int mb = 0; mb < M_BLOCKS; ++mb) {
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(l_i[mb][r]);
             const float inv_l = 1.f / l;
             const int64_t q_row = int64_t(q_tile) * BLOCK_M + warp * ROWS_PER_WARP + mb * 16 + quad_row + 8 * r;
+            if (q_row >= p.seqlen_q) continue;
             __nv_bfloat16* O_gmem = row_ptr(static_cast<__nv_bfloat16*>(p.o), p.o_stride, batch, head, q_row);
             for (int db = 0; db < O_BLOCKS; ++db)
                 *reinterpret_cast<__nv_bfloat162*>(O_gmem + db * 8 + 2 * quad_col) =
@@ -254,8 +279,10 @@ __global__ void __launch_bounds__(NUM_THREADS)
 }  // namespace
 
 // ---- host launcher: grid, block, shared memory, attributes ----
-FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return BLOCK_M; }  // one block per BLOCK_M query rows
-FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return BLOCK_N; }  // whole K/V tiles only
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return 1; }  // any seqlen: TMA fills the last tiles with zeros
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return 1; }
+FLASHLADDER_EXPORT int flashladder_tile_q() { return BLOCK_M; }  // the tiles (for tests and tools)
+FLASHLADDER_EXPORT int flashladder_tile_k() { return BLOCK_N; }
 
 FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t stream) {
     // 96 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
@@ -269,7 +296,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
         encode_tile_map(&K_map, p.k, p.k_stride, p.seqlen_k, p.heads, p.batch, BLOCK_N) != CUDA_SUCCESS ||
         encode_tile_map(&V_map, p.v, p.v_stride, p.seqlen_k, p.heads, p.batch, BLOCK_N) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;  // a layout the TMA unit cannot describe (the binding's checks should prevent it)
-    const dim3 grid(p.seqlen_q / BLOCK_M, p.heads, p.batch);
+    const dim3 grid(ceil_div(p.seqlen_q, BLOCK_M), p.heads, p.batch);
     attention_fwd_kernel<<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(p, Q_map, K_map, V_map);
     return cudaGetLastError();
 }

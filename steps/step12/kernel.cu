@@ -1,41 +1,26 @@
-// flashladder step12 -- intra-warpgroup overlap: S = Q K^T first, so each softmax can run under its own P V.
+// flashladder step12 -- conditional rescale (FlashAttention-4): O rescaled only when a row's max jumps.
 //
 // The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
-// 10 warp specialization -> 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax -> 14 persistent.
+// 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP11
-//   In step11 a consumer waits for its whole GEMM block (P V of tile j-1, then S of tile j) before its
-//   softmax of tile j starts; only the OTHER consumer's block can hide that softmax. But the softmax of
-//   tile j needs only S_j, not the P V: so issue S_j first, then P V of tile j-1, as two commit groups,
-//   and start the softmax as soon as the first group is done (wgmma.wait_group 1) while the tensor cores
-//   are still on this warpgroup's own P V (FlashAttention-3's intra-warpgroup overlap).
-//   The softmax splits in two: the part on S alone (max, exponentials, row sums, alpha) runs under the
-//   P V; the part that touches O and P_frag -- rescale O by alpha, round P to bf16 -- waits for the P V to
-//   complete (wait_group 0), because that wgmma is still accumulating into O and reading P_frag.
-//   The smem slots are released as early as each product allows: K after wait_group 1, V after 0.
+//   The running max of a row is only a SHIFT that keeps the exponentials from overflowing: any shift gives
+//   the same result as long as l and O use the same one (verify/model.py proves it in float64). Until now
+//   every tile moved the shift to the new max and so rescaled O by alpha = 2^(m_old - m_new): 64 FMUL per
+//   thread per tile, nearly always by a factor close to 1. Now the shift moves only when a row's new max
+//   exceeds it by more than RESCALE_THRESHOLD = 8 (log2 units; P stays <= 2^8 in between, harmless in bf16
+//   and fp32). Rows that keep their shift have alpha = 1, and a warp none of whose 16 rows moved skips the
+//   O rescale entirely (a warp-uniform branch on __any_sync): after the first few tiles of a row, the
+//   common case. The first tile always moves (m = -inf).
 //
-//       step11:  issue [PV j-1, S j] -> wait all -> softmax j (max, exp, rescale O, P)
-//       step12:  issue [S j][PV j-1] -> wait S   -> softmax j (max, exp) -> wait PV -> rescale O, P
-//
-// WHAT THE SASS SHOWS: less than the above. ptxas moves the wait for P V (WARPGROUP.DEPBAR.LE gsb0, 0x0) up
-//   into the row max's shuffles, so the exponentials, the row sums and the O rescale run after the P V has
-//   completed: only the max and its shuffles overlap it. What this step gains comes from S arriving first.
-//   Keeping the wait below the softmax (step13's one-line fence) does make the exponentials overlap as
-//   written, and here it is SLOWER (results/h200/dev/2026-11-29-wait-pinned-fence.log, N = 4K / 16K:
-//   612.5 / 637.5 -> 592.8 / 616.5 TFLOP/s). The likely cause (not proven: moving the rescale between the
-//   two GEMM issues did not help either, NOTES.md): the unconditional O rescale, 64 FMUL per thread, then
-//   waits for the P V alone, where ptxas's order had mixed it with the exponentials. It pays from step13
-//   on, where the rescale is rare. (The traced build of verify/trace.py could not show this: its own event
-//   writes keep ptxas from moving the wait, so its timeline draws the overlap the source describes.)
-//
-// PREDICTION: the exponentials of one warpgroup now overlap its own P V as well as the other consumer's
-//   block, so even when the two consumers drift into step with each other the tensor cores have work:
-//   +5-10% over step11.
-// MEASURED (results/h200/2026-11-29T21-28-55Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   596.9 / 612.3 / 620.0 -> 606.8 / 625.1 / 634.6 TFLOP/s (1.02x at each N), 0.99 / 1.01 / 1.03x SDPA's
-//   cuDNN backend: below the prediction, which assumed the exponentials would overlap the P V (above: in
-//   this build they do not).
+// PREDICTION: small here. In ping-pong a consumer's softmax already runs under the other consumer's GEMM
+//   block, so taking 64 FMUL of ~250 instructions per row pair out of it shortens a phase that is mostly
+//   hidden: +0-2%. The idea pays when the softmax has to fit under this warpgroup's OWN P V (step13).
+// ON THE WAY (results/h200/variants-2026-12-01-s12.log, steady state, N = 4K / 16K, one run): against
+//   step11's 597.7 / 625.9 TFLOP/s, this step ran at 600.4 / 625.4; step13's overlap without it (the fence
+//   in, O rescaled every tile) at 588.8 / 617.3, below step11 -- the reason for this order.
+//MEASURED_PLACEHOLDER
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -49,22 +34,24 @@ namespace {
 constexpr int BLOCK_M = 128;                          // query rows per block
 constexpr int BLOCK_N = 128;                          // keys per K/V tile
 constexpr int NUM_CONSUMERS = 2;                      // consumer warpgroups, each computes 64 query rows with wgmma
-constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * 128;  // warpgroup 0: the producer
+constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * WARPGROUP_THREADS;  // warpgroup 0: the producer
 constexpr int ROWS_PER_WARPGROUP = BLOCK_M / NUM_CONSUMERS;  // 64: wgmma's M
 constexpr int S_BLOCKS = BLOCK_N / 8;                 // S: 16 blocks of 8 keys, 4 registers each per thread
 constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 blocks of 8 dims, 4 registers each per thread
 constexpr int QK_STEPS = HEAD_DIM / 16;               // k-steps of S = Q K^T over the head dim
 constexpr int PV_STEPS = BLOCK_N / 16;                // k-steps of O += P V over the keys
 constexpr int STAGES = 2;                             // K/V ring slots: compute one while the other fills
+// FlashAttention-4's conditional rescale: the running max (the shift of the exponentials) moves only when a
+// row's new max exceeds it by more than this, in log2 units; P stays <= 2^8 in between.
+constexpr float RESCALE_THRESHOLD = 8.f;
 // setmaxnreg budgets (per thread): the producer issues TMA copies and needs few; the consumers hold S, P and
 // O. 128 x 24 + 2 x 128 x 240 = 64512 of the SM's 65536 registers.
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 // Byte distances inside a TMA-swizzled [rows, HEAD_DIM] tile (common/swizzle.cuh: two 64-column halves),
 // for the wgmma descriptors (common/wgmma.cuh):
-constexpr int ROW_BYTES = 64 * sizeof(__nv_bfloat16);        // 128: one row of one half
-constexpr int ATOM_BYTES = 8 * ROW_BYTES;                    // 1024: one 8-row swizzle atom (the SBO)
-constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);      // 32: 16 columns, one k-step of Q K^T
-constexpr int KSTEPS_PER_HALF = 64 / 16;                     // k-steps 0-3 read half 0, 4-7 half 1
+constexpr int ROW_BYTES = TMA_HALF_COLS * sizeof(__nv_bfloat16);  // 128: one row of one half
+constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);           // 32: 16 columns, one k-step of Q K^T
+constexpr int KSTEPS_PER_HALF = TMA_HALF_COLS / 16;               // k-steps 0-3 read half 0, 4-7 half 1
 constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES, KV_HALF_BYTES = BLOCK_N * ROW_BYTES;
 
 // Shared memory. The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the
@@ -81,19 +68,44 @@ constexpr int SMEM_BYTES = sizeof(SharedStorage);
 constexpr int CONSUMER_WARPS = NUM_CONSUMERS * 4;  // the arrivals that empty a slot
 static_assert(NUM_CONSUMERS == 2, "ping-pong alternates exactly two consumer warpgroups");
 
-// Named barriers (ids 1-15; 0 is __syncthreads). Consumer c waits on its own turn barrier before it issues
-// its GEMMs, and arrives on the other's once they are issued; each barrier counts both warpgroups' threads.
+// Named barriers (ids 1-15; 0 is __syncthreads).
 enum NamedBarrier : int { CONSUMER0_TURN = 1, CONSUMER1_TURN = 2 };
-constexpr int TURN_THREADS = NUM_CONSUMERS * 128;
+
+// Ping-pong's turns on the tensor cores. Each consumer has a turn barrier counting both warpgroups' threads:
+// it waits on its own (bar.sync) before it issues a GEMM block and arrives on the other's (bar.arrive) once
+// the block is issued, so the two consumers' blocks reach the tensor cores alternately.
+struct Turn {
+    int mine, other;
+    __device__ explicit Turn(int consumer)
+        : mine(consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN), other(consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN) {}
+    __device__ void take(int kv_tile) const {
+        TRACE_SPAN(TRACE_TURN_WAIT_BEGIN, kv_tile);
+        named_barrier_sync(mine, NUM_CONSUMERS * WARPGROUP_THREADS);
+    }
+    __device__ void pass() const { named_barrier_arrive(other, NUM_CONSUMERS * WARPGROUP_THREADS); }
+};
+
+// The ring's phases. A slot's n-th fill (n = count / STAGES, count = K/V tiles through the ring so far)
+// completes the full barrier's phase n; the producer's n-th fill waits for the slot's (n-1)-th emptying.
+__device__ __forceinline__ uint32_t full_parity(int count) { return uint32_t(count / STAGES) % 2; }
+__device__ __forceinline__ uint32_t empty_parity(int count) { return uint32_t(count / STAGES + 1) % 2; }
+__device__ __forceinline__ void wait_full(uint64_t* full, int count, int kv_tile) {
+    TRACE_SPAN(TRACE_FULL_WAIT_BEGIN, kv_tile);
+    mbarrier_wait_parity(full, full_parity(count));
+}
+
+// The K/V walk runs from the last tile to the first: the one partial tile (seqlen_k not a multiple of BLOCK_N)
+// is the first one, so only the first GEMM block masks.
+__device__ __forceinline__ int kv_row(int kv_tile, int num_kv_tiles) { return (num_kv_tiles - 1 - kv_tile) * BLOCK_N; }
 
 // One thread asks the TMA unit for a [ROWS, HEAD_DIM] tile starting at `row` of (head, batch): two boxes of
 // [ROWS, 64] (the two swizzled halves), both completing on `bar`, which first learns how many bytes to expect.
+// Rows past the tensor's end arrive as zeros.
 template <int ROWS>
 __device__ void load_tile_tma(__nv_bfloat16* dst_smem, const CUtensorMap* map, int row, int head, int batch, uint64_t* bar) {
-    constexpr int HALF = ROWS * 64;  // elements in one half
     mbarrier_arrive_expect_tx(bar, ROWS * HEAD_DIM * sizeof(__nv_bfloat16));
     cp_async_bulk_tensor_4d_global_to_shared(dst_smem, map, 0, row, head, batch, bar);
-    cp_async_bulk_tensor_4d_global_to_shared(dst_smem + HALF, map, 64, row, head, batch, bar);
+    cp_async_bulk_tensor_4d_global_to_shared(dst_smem + ROWS * TMA_HALF_COLS, map, TMA_HALF_COLS, row, head, batch, bar);
 }
 
 // Max / sum over the 4 threads of a quad (lanes 4r..4r+3 of a warp hold one query row).
@@ -116,208 +128,213 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
     TRACE_EVENT(TRACE_TMA_Q, q_tile);
     load_tile_tma<BLOCK_M>(smem.Q, &Q_map, q_tile * BLOCK_M, tma_coord(p.q_stride[1], head), tma_coord(p.q_stride[0], batch),
                            &smem.Q_full);
-    const int num_kv_tiles = p.seqlen_k / BLOCK_N;
+    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);
     for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile) {
-        const int stage = kv_tile % STAGES;
-        // The slot's n-th fill (n = kv_tile / STAGES) needs its (n-1)-th emptying: parity (n - 1) % 2.
-        const uint32_t parity = (kv_tile / STAGES + 1) % 2;
-        TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
-        if (kv_tile >= STAGES) mbarrier_wait_parity(&smem.K_empty[stage], parity);
-        TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
+        const int stage = kv_tile % STAGES, row = kv_row(kv_tile, num_kv_tiles);
+        if (kv_tile >= STAGES) {
+            TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
+            mbarrier_wait_parity(&smem.K_empty[stage], empty_parity(kv_tile));
+        }
         TRACE_EVENT(TRACE_TMA_K, kv_tile);
-        load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, kv_tile * BLOCK_N, tma_coord(p.k_stride[1], head),
-                               tma_coord(p.k_stride[0], batch), &smem.K_full[stage]);
-        TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
-        if (kv_tile >= STAGES) mbarrier_wait_parity(&smem.V_empty[stage], parity);
-        TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
+        load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, row, tma_coord(p.k_stride[1], head), tma_coord(p.k_stride[0], batch),
+                               &smem.K_full[stage]);
+        if (kv_tile >= STAGES) {
+            TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
+            mbarrier_wait_parity(&smem.V_empty[stage], empty_parity(kv_tile));
+        }
         TRACE_EVENT(TRACE_TMA_V, kv_tile);
-        load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, kv_tile * BLOCK_N, tma_coord(p.v_stride[1], head),
-                               tma_coord(p.v_stride[0], batch), &smem.V_full[stage]);
+        load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, row, tma_coord(p.v_stride[1], head), tma_coord(p.v_stride[0], batch),
+                               &smem.V_full[stage]);
     }
 }
 
-// A consumer warpgroup: 64 query rows, step10's math in a new order. The tensor-core work between two
-// softmaxes is one "GEMM block": O += P V of the previous tile, then S = Q K^T of this one. Ping-pong: a
-// consumer issues its block only on its turn and hands the turn over once the block is issued, so the two
-// consumers' blocks reach the tensor cores alternately and each one's softmax runs under the other's block.
-__device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int consumer) {
-    const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-    const int warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;  // warp 0-7 among the consumers
-    const int quad_row = lane / 4;   // this lane holds rows quad_row and quad_row + 8 of its warp's 16
-    const int quad_col = lane % 4;   // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
-    const int num_kv_tiles = p.seqlen_k / BLOCK_N;
-    const int my_turn = consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN;
-    const int other_turn = consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN;
-    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, q_tile);
-    mbarrier_wait_parity(&smem.Q_full, 0);  // Q's one and only phase
-    TRACE_EVENT(TRACE_FULL_WAIT_END, q_tile);
+// A consumer warpgroup: 64 query rows of the block's 128, in registers. The tensor-core work between two
+// softmaxes is one GEMM block: O += P V of K/V tile j-1, then S = Q K^T of tile j, issued on this consumer's
+// turn. The first block holds only S of tile 0, the last only the P V of the last tile:
+// peeled, so that no wgmma sits on a conditional path (ptxas would serialize it).
+struct MmaWarpgroup {
+    SharedStorage& smem;
+    const FwdParams& p;
+    const int index;               // 0 or 1: rows 64 * index .. 64 * index + 63 of the block
+    const Turn turn;
+    const int lane, warp;          // warp 0-3 of this warpgroup: rows 16 * warp .. 16 * warp + 15 of its 64
+    const int quad_row;            // this lane holds rows quad_row and quad_row + 8 of its warp's 16
+    const int quad_col;            // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
+    const uint32_t Q_rows;         // this warpgroup's 64 rows of Q at k-step 0: the A operand of S = Q K^T
+    const float scale_log2;        // softmax scale * log2(e): exp(x * scale) = 2^(x * scale_log2)
+    float S_acc[S_BLOCKS * 4];     // S_acc[4 * nb + i]: key block nb, i as in mma's D fragment (common/wgmma.cuh)
+    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: O_acc[4 * db + i] likewise
+    uint32_t P_frag[PV_STEPS][4];  // the last softmax's P in bf16: the A operand of the next O += P V
+    float m_i[2];                  // running max of rows quad_row, quad_row+8 (RAW scores)
+    float l_i[2];                  // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
 
-    // This warpgroup's 64 rows of Q, at k-step 0: the A operand of S = Q K^T, K-major, 128-byte swizzle.
-    const uint32_t Q_rows = smem_u32(smem.Q) + consumer * ROWS_PER_WARPGROUP * ROW_BYTES;
-    const float scale_log2 = p.scale * 1.4426950408889634f;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
-    float m_i[2] = {-INFINITY, -INFINITY};  // running max of rows quad_row, quad_row+8 (RAW scores)
-    float l_i[2] = {0.f, 0.f};              // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
-    float O_acc[O_BLOCKS * 4];              // the warpgroup's [64 rows, 128 dims]: O_acc[4 * db + i] as mma's D
-    for (int i = 0; i < O_BLOCKS * 4; ++i) O_acc[i] = 0.f;
-    uint32_t P_frag[PV_STEPS][4];           // the previous tile's P: the A operand of the next GEMM block
+    __device__ MmaWarpgroup(SharedStorage& smem_, const FwdParams& p_, int index_)
+        : smem(smem_), p(p_), index(index_), turn(index_), lane(threadIdx.x % 32), warp(threadIdx.x / 32 % 4), quad_row(lane / 4),
+          quad_col(lane % 4), Q_rows(smem_u32(smem_.Q) + index_ * ROWS_PER_WARPGROUP * ROW_BYTES), scale_log2(p_.scale * LOG2E) {}
 
-    // The pieces of the loop, each used in more than one place below (the first and the last GEMM block
-    // hold one product each; peeling them keeps every wgmma off a conditional path, which ptxas would
-    // otherwise serialize).
-    auto issue_qk = [&](float (&S)[S_BLOCKS * 4], int stage) {  // S = Q K^T: step10's 8 SS wgmma
+    // S = Q K^T: 8 SS wgmma, one per 16-wide k-step of the head dim (32 bytes further inside an atom, or in
+    // the other half).
+    __device__ void issue_qk(int stage) {
         const uint32_t K_tile = smem_u32(smem.K[stage]);
         for (int kk = 0; kk < QK_STEPS; ++kk) {
-            const uint32_t k_offset = kk / KSTEPS_PER_HALF * Q_HALF_BYTES + kk % KSTEPS_PER_HALF * KSTEP_BYTES;
-            const uint32_t k_offset_kv = kk / KSTEPS_PER_HALF * KV_HALF_BYTES + kk % KSTEPS_PER_HALF * KSTEP_BYTES;
-            wgmma_m64n128k16_ss(S, wgmma_desc(Q_rows + k_offset, 16, ATOM_BYTES),
-                                wgmma_desc(K_tile + k_offset_kv, 16, ATOM_BYTES), kk > 0);
+            const uint32_t half = kk / KSTEPS_PER_HALF, kstep = kk % KSTEPS_PER_HALF * KSTEP_BYTES;
+            wgmma_m64n128k16_ss(S_acc, wgmma_desc_kmajor(Q_rows + half * Q_HALF_BYTES + kstep),
+                                wgmma_desc_kmajor(K_tile + half * KV_HALF_BYTES + kstep), kk > 0);
         }
-    };
-    auto issue_pv = [&](int stage) {  // O += P V: step10's 8 RS wgmma, P from the previous softmax
+    }
+    // O += P V: 8 RS wgmma, one per 16 keys, P from registers, V N-major (16 keys = 2 atoms further).
+    __device__ void issue_pv(int stage) {
         const uint32_t V_tile = smem_u32(smem.V[stage]);
         for (int kk = 0; kk < PV_STEPS; ++kk)
-            wgmma_m64n128k16_rs(O_acc, P_frag[kk], wgmma_desc(V_tile + kk * 2 * ATOM_BYTES, KV_HALF_BYTES, ATOM_BYTES), 1);
-    };
-    // The softmax in two halves. First the online-softmax update of this lane's two rows (r = 0: quad_row,
-    // r = 1: quad_row + 8) on S alone: the new max, the probabilities in place, the row sums; it returns each
-    // row's rescale factor alpha. It touches neither O nor P_frag, which the previous tile's P V may still
-    // be reading or writing.
-    auto softmax = [&](float (&S)[S_BLOCKS * 4], float (&alpha)[2]) {
+            wgmma_m64n128k16_rs(O_acc, P_frag[kk], wgmma_desc_nmajor(V_tile + kk * 2 * WGMMA_ATOM_BYTES, KV_HALF_BYTES), 1);
+    }
+    // The last K/V tile may hold fewer than BLOCK_N keys: TMA filled the rest of its K and V with zeros, whose
+    // scores (0, not -inf) must not count, so they become -inf before the softmax (2^-inf = 0).
+    __device__ void mask_past_seqlen_k(int keys) {
+        for (int nb = 0; nb < S_BLOCKS; ++nb)
+            for (int i = 0; i < 4; ++i)  // S_acc[4 nb + i] is key 8 nb + 2 quad_col + i % 2
+                if (8 * nb + 2 * quad_col + i % 2 >= keys) S_acc[4 * nb + i] = -INFINITY;
+    }
+    // The online-softmax update of this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8): the shift,
+    // the probabilities in place, the row sums, O rescaled where a shift moved; then P for the next block
+    // (two neighbouring 8-key blocks of S, rounded to bf16).
+    __device__ void softmax() {
+        float alpha[2];  // each row's rescale factor: 1 where the shift stays
         for (int r = 0; r < 2; ++r) {
             float tile_max = -INFINITY;
-            for (int nb = 0; nb < S_BLOCKS; ++nb)
-                tile_max = fmaxf(tile_max, fmaxf(S[4 * nb + 2 * r], S[4 * nb + 2 * r + 1]));
-            const float m_new = fmaxf(m_i[r], quad_max(tile_max));
-            alpha[r] = ex2_approx_ftz((m_i[r] - m_new) * scale_log2);  // 2^-inf = 0 on the first tile
+            for (int nb = 0; nb < S_BLOCKS; ++nb) tile_max = fmaxf(tile_max, fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            // Conditional rescaling: keep the old shift unless the tile's max is far above it (always moved on
+            // the first tile, where m_i = -inf). Exact either way: l and O use the same shift (verify/model.py).
+            const float row_max = quad_max(tile_max);
+            const bool move = (row_max - m_i[r]) * scale_log2 > RESCALE_THRESHOLD;
+            const float m_new = move ? row_max : m_i[r];
+            alpha[r] = move ? ex2_approx_ftz((m_i[r] - m_new) * scale_log2) : 1.f;  // 2^-inf = 0 on the first tile
             const float m_scaled = m_new * scale_log2;
             float row_sum = 0.f;
             for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one MUFU.EX2 per element
-                S[4 * nb + 2 * r] = ex2_approx_ftz(fmaf(S[4 * nb + 2 * r], scale_log2, -m_scaled));
-                S[4 * nb + 2 * r + 1] = ex2_approx_ftz(fmaf(S[4 * nb + 2 * r + 1], scale_log2, -m_scaled));
-                row_sum += S[4 * nb + 2 * r] + S[4 * nb + 2 * r + 1];
+                S_acc[4 * nb + 2 * r] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r], scale_log2, -m_scaled));
+                S_acc[4 * nb + 2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r + 1], scale_log2, -m_scaled));
+                row_sum += S_acc[4 * nb + 2 * r] + S_acc[4 * nb + 2 * r + 1];
             }
             l_i[r] = alpha[r] * l_i[r] + row_sum;  // no shuffle: the quad's parts are added once, at the end
             m_i[r] = m_new;
         }
-    };
-    // Then, once the previous P V is complete: rescale O, and P for the next block (two neighbouring 8-key
-    // blocks of S, rounded to bf16).
-    auto rescale_o_and_make_p = [&](const float (&S)[S_BLOCKS * 4], const float (&alpha)[2]) {
-        for (int db = 0; db < O_BLOCKS; ++db) {
-            for (int r = 0; r < 2; ++r) {
-                O_acc[4 * db + 2 * r] *= alpha[r];
-                O_acc[4 * db + 2 * r + 1] *= alpha[r];
+        // The O rescale is skipped when no row of the warp moved its shift (a warp-uniform branch).
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+            for (int db = 0; db < O_BLOCKS; ++db) {
+                for (int r = 0; r < 2; ++r) {
+                    O_acc[4 * db + 2 * r] *= alpha[r];
+                    O_acc[4 * db + 2 * r + 1] *= alpha[r];
+                }
             }
         }
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            P_frag[kk][0] = cvt_rn_bf16x2_f32(S[8 * kk + 0], S[8 * kk + 1]);  // row g,   keys +2t
-            P_frag[kk][1] = cvt_rn_bf16x2_f32(S[8 * kk + 2], S[8 * kk + 3]);  // row g+8, keys +2t
-            P_frag[kk][2] = cvt_rn_bf16x2_f32(S[8 * kk + 4], S[8 * kk + 5]);  // row g,   keys +8+2t
-            P_frag[kk][3] = cvt_rn_bf16x2_f32(S[8 * kk + 6], S[8 * kk + 7]);  // row g+8, keys +8+2t
+            P_frag[kk][0] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 0], S_acc[8 * kk + 1]);  // row g,   keys +2t
+            P_frag[kk][1] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 2], S_acc[8 * kk + 3]);  // row g+8, keys +2t
+            P_frag[kk][2] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 4], S_acc[8 * kk + 5]);  // row g,   keys +8+2t
+            P_frag[kk][3] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 6], S_acc[8 * kk + 7]);  // row g+8, keys +8+2t
         }
-    };
-    // A slot's n-th use completes its phase n: the parity to wait on for tile j.
-    auto parity = [](int kv_tile) { return uint32_t(kv_tile / STAGES) % 2; };
+    }
+    __device__ void release(uint64_t* empty) const {  // this warp is done with a ring slot
+        if (lane == 0) mbarrier_arrive(empty);
+    }
 
-    // Step 3: the GEMM blocks, each on this consumer's turn: wait for the turn, issue, hand the turn over
-    // once the block is issued, then wait for the block and do the softmax while the other consumer's
-    // block runs on the tensor cores. Consumer 0 takes the first turn.
-    if (consumer == 1) named_barrier_arrive(CONSUMER0_TURN, TURN_THREADS);
-    float S_acc[S_BLOCKS * 4];  // S_acc[4 * nb + i]: key block nb, i as in mma's D fragment
-    float alpha[2];             // this tile's rescale factors of rows quad_row, quad_row + 8
-
-    // Block 0: S = Q K^T of tile 0 alone.
-    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, 0);
-    mbarrier_wait_parity(&smem.K_full[0], 0);
-    TRACE_EVENT(TRACE_FULL_WAIT_END, 0);
-    TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, 0);
-    named_barrier_sync(my_turn, TURN_THREADS);
-    TRACE_EVENT(TRACE_TURN_WAIT_END, 0);
-    wgmma_fence();
-    issue_qk(S_acc, 0);
-    wgmma_commit_group();
-    named_barrier_arrive(other_turn, TURN_THREADS);
-    TRACE_EVENT(TRACE_GEMM_ISSUED, 0);
-    wgmma_wait_group<0>();
-    TRACE_EVENT(TRACE_GEMM_WAITED_ALL, 0);
-    wgmma_fence_operands(S_acc);
-    if (lane == 0) mbarrier_arrive(&smem.K_empty[0]);  // this warp is done with the K tile
-    TRACE_EVENT(TRACE_SOFTMAX_BEGIN, 0);
-    softmax(S_acc, alpha);
-    TRACE_EVENT(TRACE_SOFTMAX_END, 0);
-    TRACE_EVENT(TRACE_RESCALE_BEGIN, 0);
-    rescale_o_and_make_p(S_acc, alpha);
-    TRACE_EVENT(TRACE_RESCALE_END, 0);
-
-    // Blocks 1 .. n-1: S = Q K^T of tile j FIRST, then O += P V of tile j-1, as two commit groups. The
-    // softmax of tile j needs only the first: it starts as soon as S is done (wait_group<1>) and runs while
-    // the tensor cores still work on this warpgroup's own P V (and then on the other consumer's block).
-    for (int kv_tile = 1; kv_tile < num_kv_tiles; ++kv_tile) {
-        const int stage = kv_tile % STAGES, prev_stage = (kv_tile - 1) % STAGES;
-        TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, kv_tile);
-        mbarrier_wait_parity(&smem.K_full[stage], parity(kv_tile));
-        mbarrier_wait_parity(&smem.V_full[prev_stage], parity(kv_tile - 1));
-        TRACE_EVENT(TRACE_FULL_WAIT_END, kv_tile);
-        TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, kv_tile);
-        named_barrier_sync(my_turn, TURN_THREADS);
-        TRACE_EVENT(TRACE_TURN_WAIT_END, kv_tile);
-        wgmma_fence();  // O_acc (rescaled), P_frag and S_acc were last touched by ordinary instructions
-        issue_qk(S_acc, stage);
+    __device__ void start() {
+        m_i[0] = m_i[1] = -INFINITY;
+        l_i[0] = l_i[1] = 0.f;
+        for (int i = 0; i < O_BLOCKS * 4; ++i) O_acc[i] = 0.f;
+    }
+    // GEMM block 0: S = Q K^T of K/V tile 0 alone. Tile 0 is the last in the sequence (kv_row): the only one
+    // that may hold fewer than BLOCK_N keys.
+    __device__ void gemm_block_first(int count, int keys) {
+        const int stage = count % STAGES;
+        wait_full(&smem.K_full[stage], count, 0);
+        turn.take(0);
+        wgmma_fence();
+        issue_qk(stage);
         wgmma_commit_group();
+        turn.pass();
+        TRACE_EVENT(TRACE_GEMM_ISSUED, 0);
+        wgmma_wait_group<0>();
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, 0);
+        wgmma_fence_operands(S_acc);
+        release(&smem.K_empty[stage]);
+        if (keys < BLOCK_N) mask_past_seqlen_k(keys);
+        TRACE_SPAN(TRACE_SOFTMAX_BEGIN, 0);
+        softmax();
+    }
+    // GEMM blocks 1 .. n-1: O += P V of tile j-1, then S = Q K^T of tile j, one commit group.
+    __device__ void gemm_block_steady(int count, int kv_tile) {
+        const int stage = count % STAGES, prev_stage = (count - 1) % STAGES;
+        wait_full(&smem.K_full[stage], count, kv_tile);
+        wait_full(&smem.V_full[prev_stage], count - 1, kv_tile);
+        turn.take(kv_tile);
+        wgmma_fence();  // O (rescaled), P and S were last touched by ordinary instructions
         issue_pv(prev_stage);
+        issue_qk(stage);
         wgmma_commit_group();
-        named_barrier_arrive(other_turn, TURN_THREADS);
+        turn.pass();
         TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
+        wgmma_wait_group<0>();        // the block is complete...
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
+        wgmma_fence_operands(S_acc);  // ...and the compiler may not read S or O any earlier
+        wgmma_fence_operands(O_acc);
+        release(&smem.K_empty[stage]);  // the K tile and the previous V tile
+        release(&smem.V_empty[prev_stage]);
+        TRACE_SPAN(TRACE_SOFTMAX_BEGIN, kv_tile);
+        softmax();
+    }
+    // GEMM block n: O += P V of the last tile alone. Consumer 1 hands no turn over after it: consumer 0 has no
+    // block left, and an arrival nobody waits for would leave the barrier half-counted at exit.
+    __device__ void gemm_block_last(int count, int kv_tile) {
+        const int stage = count % STAGES;
+        wait_full(&smem.V_full[stage], count, kv_tile);
+        turn.take(kv_tile);
+        wgmma_fence();
+        issue_pv(stage);
+        wgmma_commit_group();
+        if (index == 0) turn.pass();
         TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
-        wgmma_wait_group<1>();          // S is complete (P V may still run)...
-        TRACE_EVENT(TRACE_GEMM_WAITED_ALL_BUT_1, kv_tile);
-        wgmma_fence_operands(S_acc);    // ...and the compiler may not read S any earlier
-        if (lane == 0) mbarrier_arrive(&smem.K_empty[stage]);  // this warp is done with the K tile
-        TRACE_EVENT(TRACE_SOFTMAX_BEGIN, kv_tile);
-        softmax(S_acc, alpha);          // under the tensor cores' P V
-        TRACE_EVENT(TRACE_SOFTMAX_END, kv_tile);
-        wgmma_wait_group<0>();          // P V is complete: O and P_frag are free again
+        wgmma_wait_group<0>();
         TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
         wgmma_fence_operands(O_acc);
-        if (lane == 0) mbarrier_arrive(&smem.V_empty[prev_stage]);  // ... and so is the previous V tile
-        TRACE_EVENT(TRACE_RESCALE_BEGIN, kv_tile);
-        rescale_o_and_make_p(S_acc, alpha);
-        TRACE_EVENT(TRACE_RESCALE_END, kv_tile);
+        release(&smem.V_empty[stage]);
     }
 
-    // Block n: O += P V of the last tile alone. Consumer 1 hands no turn over after it: consumer 0 has no
-    // block left, and an arrival nobody waits for would leave the barrier half-counted at exit.
-    const int last = num_kv_tiles - 1;
-    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, num_kv_tiles);
-    mbarrier_wait_parity(&smem.V_full[last % STAGES], parity(last));
-    TRACE_EVENT(TRACE_FULL_WAIT_END, num_kv_tiles);
-    TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, num_kv_tiles);
-    named_barrier_sync(my_turn, TURN_THREADS);
-    TRACE_EVENT(TRACE_TURN_WAIT_END, num_kv_tiles);
-    wgmma_fence();
-    issue_pv(last % STAGES);
-    wgmma_commit_group();
-    if (consumer == 0) named_barrier_arrive(other_turn, TURN_THREADS);
-    TRACE_EVENT(TRACE_GEMM_ISSUED, num_kv_tiles);
-    wgmma_wait_group<0>();
-    TRACE_EVENT(TRACE_GEMM_WAITED_ALL, num_kv_tiles);
-    wgmma_fence_operands(O_acc);
-    if (lane == 0) mbarrier_arrive(&smem.V_empty[last % STAGES]);
-
-    // Step 6: the row sums' quad parts added up, the final normalization, once per row, and the log-sum-exp.
-    TRACE_EVENT(TRACE_EPILOGUE_BEGIN, q_tile);
-    for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(l_i[r]);
-        const float inv_l = 1.f / l;
-        const int64_t q_row = int64_t(q_tile) * BLOCK_M + warp * 16 + quad_row + 8 * r;  // consumer warp w: rows 16w..
-        __nv_bfloat16* O_gmem = row_ptr(static_cast<__nv_bfloat16*>(p.o), p.o_stride, batch, head, q_row);
-        for (int db = 0; db < O_BLOCKS; ++db)
-            *reinterpret_cast<__nv_bfloat162*>(O_gmem + db * 8 + 2 * quad_col) =
-                __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
-        if (quad_col == 0)
-            p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
+    // The epilogue: the row sums' quad parts added up, the final normalization, once per row, and the
+    // log-sum-exp. Rows past seqlen_q (zeros from TMA) are computed, not stored.
+    __device__ void epilogue() {
+        const int q_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+        TRACE_SPAN(TRACE_EPILOGUE_BEGIN, q_tile);
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(l_i[r]);
+            const float inv_l = 1.f / l;
+            const int64_t q_row = int64_t(q_tile) * BLOCK_M + index * ROWS_PER_WARPGROUP + warp * 16 + quad_row + 8 * r;
+            if (q_row >= p.seqlen_q) continue;
+            __nv_bfloat16* O_gmem = row_ptr(static_cast<__nv_bfloat16*>(p.o), p.o_stride, batch, head, q_row);
+            for (int db = 0; db < O_BLOCKS; ++db)
+                *reinterpret_cast<__nv_bfloat162*>(O_gmem + db * 8 + 2 * quad_col) =
+                    __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
+            if (quad_col == 0) p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
+        }
     }
-    TRACE_EVENT(TRACE_EPILOGUE_END, q_tile);
+};
+
+// A consumer's work: Q, then the GEMM blocks on this consumer's turns, then the epilogue.
+__device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int index) {
+    MmaWarpgroup wg(smem, p, index);
+    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);
+    const int first_tile_keys = p.seqlen_k - (num_kv_tiles - 1) * BLOCK_N;  // 1 .. BLOCK_N: K/V tile 0 is the last
+    wg.start();
+    {
+        TRACE_SPAN(TRACE_FULL_WAIT_BEGIN, blockIdx.x);
+        mbarrier_wait_parity(&smem.Q_full, 0);  // Q's one and only phase
+    }
+    if (index == 1) wg.turn.pass();  // consumer 0 takes the first turn
+    wg.gemm_block_first(0, first_tile_keys);
+    for (int kv_tile = 1; kv_tile < num_kv_tiles; ++kv_tile) wg.gemm_block_steady(kv_tile, kv_tile);
+    wg.gemm_block_last(num_kv_tiles - 1, num_kv_tiles);
+    wg.epilogue();
 }
 
 // The kernel: set up the barriers, then split by warpgroup into the two roles. The tensor maps are
@@ -329,8 +346,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-    // Step 1: one thread initializes the barriers: a full barrier completes on its producer's expect_tx
-    // plus the TMA bytes (1 arrival), an empty barrier on one arrival from every consumer warp.
+    // One thread initializes the barriers: a full barrier completes on its producer's expect_tx plus the TMA
+    // bytes (1 arrival), an empty barrier on one arrival from every consumer warp.
     if (threadIdx.x == 0) {
         mbarrier_init(&smem.Q_full, 1);
         for (int s = 0; s < STAGES; ++s) {
@@ -341,8 +358,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
     }
     __syncthreads();  // no thread waits on a barrier before it is initialized; the last block-wide barrier
 
-    // Step 2: the roles. Each setmaxnreg is executed by a whole warpgroup.
-    const int warpgroup = threadIdx.x / 128;
+    // The roles. Each setmaxnreg is executed by a whole warpgroup.
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x == 0) producer_load(smem, p, Q_map, K_map, V_map);  // the other 127 threads are done
@@ -355,8 +372,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
 }  // namespace
 
 // ---- host launcher: grid, block, shared memory, attributes ----
-FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return BLOCK_M; }  // one block per BLOCK_M query rows
-FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return BLOCK_N; }  // whole K/V tiles only
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return 1; }  // any seqlen: TMA fills the last tiles with zeros
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return 1; }
+FLASHLADDER_EXPORT int flashladder_tile_q() { return BLOCK_M; }  // the tiles (for tests and tools)
+FLASHLADDER_EXPORT int flashladder_tile_k() { return BLOCK_N; }
 
 FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t stream) {
     // 160 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
@@ -370,7 +389,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
         encode_tile_map(&K_map, p.k, p.k_stride, p.seqlen_k, p.heads, p.batch, BLOCK_N) != CUDA_SUCCESS ||
         encode_tile_map(&V_map, p.v, p.v_stride, p.seqlen_k, p.heads, p.batch, BLOCK_N) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;  // a layout the TMA unit cannot describe (the binding's checks should prevent it)
-    const dim3 grid(p.seqlen_q / BLOCK_M, p.heads, p.batch);
+    const dim3 grid(ceil_div(p.seqlen_q, BLOCK_M), p.heads, p.batch);
     attention_fwd_kernel<<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(p, Q_map, K_map, V_map);
     return cudaGetLastError();
 }

@@ -1,8 +1,8 @@
-// flashladder step14 -- persistent kernel: a tile scheduler, an epilogue through shared memory + TMA store, any seqlen.
+// flashladder step14 -- persistent kernel: a tile scheduler, the epilogue stored by TMA under the next tile's work.
 //
 // The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
-// 10 warp specialization -> 11 ping-pong -> 12 intra-warpgroup overlap -> 13 FA4 softmax -> 14 persistent.
+// 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP13
 //   Until now one CTA computed one 128-row work tile and exited: every tile paid the start-up (barrier
@@ -10,37 +10,23 @@
 //   normalization and the global stores, with the tensor cores idle). Now the grid is one CTA per SM and
 //   each CTA loops over work tiles:
 //   * Tile scheduler (work_tile): tile t = (q_tile, head, batch) with q_tile fastest, CTA b takes tiles b,
-//     b + grid, ... The 132 CTAs that run together work on one (batch, head), so its K and V come from HBM
-//     once and from L2 after that.
+//     b + grid, ... The CTAs that run at the same time work on neighbouring Q tiles of the same few (batch,
+//     head) pairs (at N = 4K a head has 32 tiles, so 132 CTAs span about four heads), so each K/V tile
+//     comes from HBM once and from L2 after that.
 //   * The producer runs on from one tile into the next: the K/V ring's count and phases continue across
 //     tiles, and a new Q_empty barrier (one arrival per consumer warp, after the tile's last S = Q K^T)
 //     lets it load the next tile's Q while the consumers still finish the last P V and the epilogue.
 //   * Epilogue through shared memory: each consumer writes its normalized 64 x 128 output into a tile of
 //     its own in TMA's swizzled layout, fences (fence.proxy.async: ordinary stores, read by the TMA unit),
-//     and one thread stores it with two bulk tensor copies. The copies complete in the background while
-//     the warpgroup starts its next tile; before overwriting its output tile it waits for the previous
-//     store to have READ it (cp.async.bulk.wait_group.read). The ping-pong turn protocol restarts with
-//     every tile (consumer 1 hands consumer 0 the first turn each time).
-//   * Any sequence length, for q and k/v alike: the final kernel goes into real models, whose lengths are
-//     rarely multiples of 128. Work tiles and K/V tiles are counted with a ceiling; the TMA unit fills a
-//     load's rows past the end with zeros and leaves a store's rows past seqlen_q out. So two lines of
-//     math change: the scores of the last K/V tile past seqlen_k become -inf before its softmax (the zero
-//     keys would score 0, not nothing), and the LSE store skips rows past seqlen_q.
+//     and one thread stores it with two bulk tensor copies, which leave out rows past seqlen_q. The copies
+//     complete in the background while the warpgroup starts its next tile; before overwriting its output
+//     tile it waits for the previous store to have READ it (cp.async.bulk.wait_group.read). The ping-pong
+//     turn protocol restarts with every tile (consumer 1 hands consumer 0 the first turn each time).
 //   Shared memory: Q 32 KB + K/V ring 128 KB + output 32 KB = 192 KB.
 //
 // PREDICTION: the start-up and tail per tile are small next to 32-128 K/V tiles of work at N = 4K-16K,
-//   so the gain is mostly at the short sequences: +2-5% at N = 1K-2K, +1-2% at 16K. Any seqlen: free at
-//   the lengths of record (one compare per work tile; the mask runs only on a partial tile); not measured
-//   on its own (the nearest build without it, s14fence in results/h200/dev/, ran in other runs).
-// MEASURED (results/h200/2026-11-29T21-28-55Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   622.6 / 641.4 / 647.2 -> 660.4 / 663.3 / 665.5 TFLOP/s (1.06 / 1.03 / 1.03x), and 529.1 -> 611.3 at N = 1K
-//   (1.16x): above the prediction everywhere. 1.07 / 1.08 / 1.08x SDPA's cuDNN backend (the target was
-//   1.10x: not met); 0.97 / 0.98 / 0.98x the cuBLAS bf16 GEMM 8192^3 of the same run (678.6). ncu on
-//   4 x 16 heads x 4K (results/h200/2026-11-29T21-28-55Z-logs/ncu_step14.txt): tensor pipe 79.3% of the
-//   elapsed cycles (the busiest pipe), issue slots busy 38.75%, one CTA of 12 warps per SM.
-// AT RAGGED LENGTHS (results/h200/dev/2026-11-29-ragged-lengths.log, steady state, batch = 16K/N, N = 1000 /
-//   3000 / 5000 / 9999): 584.6 / 631.3 / 643.5 / 661.0 TFLOP/s, where SDPA's cuDNN backend runs at 515.1 /
-//   545.1 / 551.1 / 565.9: 13-17% ahead, more than at the lengths of record.
+//   so the gain is mostly at the short sequences: +2-5% at N = 1K-2K, +1-2% at 16K.
+//MEASURED_PLACEHOLDER
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -51,31 +37,27 @@
 
 namespace {
 
-constexpr int BLOCK_M = 128;                          // query rows per block
+constexpr int BLOCK_M = 128;                          // query rows per work tile
 constexpr int BLOCK_N = 128;                          // keys per K/V tile
 constexpr int NUM_CONSUMERS = 2;                      // consumer warpgroups, each computes 64 query rows with wgmma
-constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * 128;  // warpgroup 0: the producer
+constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * WARPGROUP_THREADS;  // warpgroup 0: the producer
 constexpr int ROWS_PER_WARPGROUP = BLOCK_M / NUM_CONSUMERS;  // 64: wgmma's M
 constexpr int S_BLOCKS = BLOCK_N / 8;                 // S: 16 blocks of 8 keys, 4 registers each per thread
 constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 blocks of 8 dims, 4 registers each per thread
 constexpr int QK_STEPS = HEAD_DIM / 16;               // k-steps of S = Q K^T over the head dim
 constexpr int PV_STEPS = BLOCK_N / 16;                // k-steps of O += P V over the keys
 constexpr int STAGES = 2;                             // K/V ring slots: compute one while the other fills
-// FlashAttention-4's softmax. RESCALE_THRESHOLD: the running max (the shift of the exponentials) moves only
-// when a row's new max exceeds it by more than this, in log2 units; P stays <= 2^8 in between.
-// FMA_EXP2_BLOCKS: how many of the S_BLOCKS 8-key blocks of a row take their exponentials on the FMA pipe
-// (exp2_poly3) instead of MUFU. Tuned by measurement: 0 on the H200 (step13's header has the sweep).
+// FlashAttention-4's conditional rescale: the running max (the shift of the exponentials) moves only when a
+// row's new max exceeds it by more than this, in log2 units; P stays <= 2^8 in between.
 constexpr float RESCALE_THRESHOLD = 8.f;
-constexpr int FMA_EXP2_BLOCKS = 0;
 // setmaxnreg budgets (per thread): the producer issues TMA copies and needs few; the consumers hold S, P and
 // O. 128 x 24 + 2 x 128 x 240 = 64512 of the SM's 65536 registers.
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 // Byte distances inside a TMA-swizzled [rows, HEAD_DIM] tile (common/swizzle.cuh: two 64-column halves),
 // for the wgmma descriptors (common/wgmma.cuh):
-constexpr int ROW_BYTES = 64 * sizeof(__nv_bfloat16);        // 128: one row of one half
-constexpr int ATOM_BYTES = 8 * ROW_BYTES;                    // 1024: one 8-row swizzle atom (the SBO)
-constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);      // 32: 16 columns, one k-step of Q K^T
-constexpr int KSTEPS_PER_HALF = 64 / 16;                     // k-steps 0-3 read half 0, 4-7 half 1
+constexpr int ROW_BYTES = TMA_HALF_COLS * sizeof(__nv_bfloat16);  // 128: one row of one half
+constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);           // 32: 16 columns, one k-step of Q K^T
+constexpr int KSTEPS_PER_HALF = TMA_HALF_COLS / 16;               // k-steps 0-3 read half 0, 4-7 half 1
 constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES, KV_HALF_BYTES = BLOCK_N * ROW_BYTES;
 
 // Shared memory. The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the
@@ -84,7 +66,7 @@ struct alignas(1024) SharedStorage {
     __nv_bfloat16 Q[BLOCK_M * HEAD_DIM];          // [2 halves, BLOCK_M, 64]
     __nv_bfloat16 K[STAGES][BLOCK_N * HEAD_DIM];  // [2 halves, BLOCK_N, 64] per slot
     __nv_bfloat16 V[STAGES][BLOCK_N * HEAD_DIM];
-    __nv_bfloat16 O[NUM_CONSUMERS][ROWS_PER_WARPGROUP * HEAD_DIM];  // each consumer's output, [2 halves, 64, 64]
+    __nv_bfloat16 O_acc[NUM_CONSUMERS][ROWS_PER_WARPGROUP * HEAD_DIM];  // each consumer's output, [2 halves, 64, 64]
     uint64_t Q_full, Q_empty;                     // Q has landed / both consumers are done with it (a phase per tile)
     uint64_t K_full[STAGES], V_full[STAGES];      // slot s holds its tile: the producer's expect_tx + TMA bytes
     uint64_t K_empty[STAGES], V_empty[STAGES];    // every consumer warp is done with slot s: it may be refilled
@@ -93,16 +75,36 @@ constexpr int SMEM_BYTES = sizeof(SharedStorage);
 constexpr int CONSUMER_WARPS = NUM_CONSUMERS * 4;  // the arrivals that empty a slot
 static_assert(NUM_CONSUMERS == 2, "ping-pong alternates exactly two consumer warpgroups");
 
-// Named barriers (ids 1-15; 0 is __syncthreads). Consumer c waits on its own turn barrier before it issues
-// its GEMMs, and arrives on the other's once they are issued; each barrier counts both warpgroups' threads.
-// EPILOGUE0/1: one consumer warpgroup's own 128 threads, around its output tile in shared memory.
+// Named barriers (ids 1-15; 0 is __syncthreads). EPILOGUE0/1: one consumer warpgroup's own 128 threads,
+// around its output tile in shared memory.
 enum NamedBarrier : int { CONSUMER0_TURN = 1, CONSUMER1_TURN = 2, EPILOGUE0 = 3, EPILOGUE1 = 4 };
-constexpr int TURN_THREADS = NUM_CONSUMERS * 128;
+
+// Ping-pong's turns on the tensor cores. Each consumer has a turn barrier counting both warpgroups' threads:
+// it waits on its own (bar.sync) before it issues a GEMM block and arrives on the other's (bar.arrive) once
+// the block is issued, so the two consumers' blocks reach the tensor cores alternately.
+struct Turn {
+    int mine, other;
+    __device__ explicit Turn(int consumer)
+        : mine(consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN), other(consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN) {}
+    __device__ void take(int kv_tile) const {
+        TRACE_SPAN(TRACE_TURN_WAIT_BEGIN, kv_tile);
+        named_barrier_sync(mine, NUM_CONSUMERS * WARPGROUP_THREADS);
+    }
+    __device__ void pass() const { named_barrier_arrive(other, NUM_CONSUMERS * WARPGROUP_THREADS); }
+};
+
+// The ring's phases. A slot's n-th fill (n = count / STAGES, count = K/V tiles through the ring so far)
+// completes the full barrier's phase n; the producer's n-th fill waits for the slot's (n-1)-th emptying.
+__device__ __forceinline__ uint32_t full_parity(int count) { return uint32_t(count / STAGES) % 2; }
+__device__ __forceinline__ uint32_t empty_parity(int count) { return uint32_t(count / STAGES + 1) % 2; }
+__device__ __forceinline__ void wait_full(uint64_t* full, int count, int kv_tile) {
+    TRACE_SPAN(TRACE_FULL_WAIT_BEGIN, kv_tile);
+    mbarrier_wait_parity(full, full_parity(count));
+}
 
 // The tile scheduler. Work tile t is (q_tile, head, batch), q_tile fastest: the CTAs that run at the same time
-// work on the same (batch, head), so its K and V are read from HBM once and then served from L2. The grid
-// has one CTA per SM, and CTA b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ...
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+// work on neighbouring Q tiles of the same few (batch, head) pairs, so each K/V tile is read from HBM once and
+// then served from L2. The grid has one CTA per SM, and CTA b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ...
 struct WorkTile {
     int q_tile, head, batch;
 };
@@ -111,15 +113,18 @@ __device__ __forceinline__ WorkTile work_tile(int t, const FwdParams& p) {
     return {t % q_tiles, t / q_tiles % p.heads, t / q_tiles / p.heads};
 }
 __host__ __device__ __forceinline__ int num_work_tiles(const FwdParams& p) { return ceil_div(p.seqlen_q, BLOCK_M) * p.heads * p.batch; }
+// The K/V walk runs from the last tile to the first: the one partial tile (seqlen_k not a multiple of BLOCK_N)
+// is the first one, so only the first GEMM block masks.
+__device__ __forceinline__ int kv_row(int kv_tile, int num_kv_tiles) { return (num_kv_tiles - 1 - kv_tile) * BLOCK_N; }
 
 // One thread asks the TMA unit for a [ROWS, HEAD_DIM] tile starting at `row` of (head, batch): two boxes of
 // [ROWS, 64] (the two swizzled halves), both completing on `bar`, which first learns how many bytes to expect.
+// Rows past the tensor's end arrive as zeros.
 template <int ROWS>
 __device__ void load_tile_tma(__nv_bfloat16* dst_smem, const CUtensorMap* map, int row, int head, int batch, uint64_t* bar) {
-    constexpr int HALF = ROWS * 64;  // elements in one half
     mbarrier_arrive_expect_tx(bar, ROWS * HEAD_DIM * sizeof(__nv_bfloat16));
     cp_async_bulk_tensor_4d_global_to_shared(dst_smem, map, 0, row, head, batch, bar);
-    cp_async_bulk_tensor_4d_global_to_shared(dst_smem + HALF, map, 64, row, head, batch, bar);
+    cp_async_bulk_tensor_4d_global_to_shared(dst_smem + ROWS * TMA_HALF_COLS, map, TMA_HALF_COLS, row, head, batch, bar);
 }
 
 // Max / sum over the 4 threads of a quad (lanes 4r..4r+3 of a warp hold one query row).
@@ -134,100 +139,96 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // The producer: one thread keeps the ring full, across all the work tiles of this CTA. For each tile: Q,
 // once both consumers are done with the previous tile's Q; then every K/V tile, each into the next ring slot
-// once it is empty. The ring's count (kv_count) runs on across tiles, and so do the slots' phases.
+// once it is empty. The ring's count runs on across tiles, and so do the slots' phases.
 __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUtensorMap& Q_map, const CUtensorMap& K_map,
                               const CUtensorMap& V_map) {
     prefetch_tensormap(&Q_map), prefetch_tensormap(&K_map), prefetch_tensormap(&V_map);
-    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);  // the last one may be partial: TMA fills zeros
-    int kv_count = 0, iteration = 0;
+    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);
+    int count = 0, iteration = 0;
     for (int t = blockIdx.x; t < num_work_tiles(p); t += gridDim.x, ++iteration) {
         const WorkTile w = work_tile(t, p);
-        TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, t);
-        if (iteration > 0) mbarrier_wait_parity(&smem.Q_empty, (iteration - 1) % 2);
-        TRACE_EVENT(TRACE_EMPTY_WAIT_END, t);
+        if (iteration > 0) {
+            TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, t);
+            mbarrier_wait_parity(&smem.Q_empty, (iteration - 1) % 2);
+        }
         TRACE_EVENT(TRACE_TMA_Q, t);
         load_tile_tma<BLOCK_M>(smem.Q, &Q_map, w.q_tile * BLOCK_M, tma_coord(p.q_stride[1], w.head),
                                tma_coord(p.q_stride[0], w.batch), &smem.Q_full);
-        for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile, ++kv_count) {
-            const int stage = kv_count % STAGES;
-            // The slot's n-th fill (n = kv_count / STAGES) needs its (n-1)-th emptying: parity (n - 1) % 2.
-            const uint32_t parity = (kv_count / STAGES + 1) % 2;
-            TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
-            if (kv_count >= STAGES) mbarrier_wait_parity(&smem.K_empty[stage], parity);
-            TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
+        for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile, ++count) {
+            const int stage = count % STAGES, row = kv_row(kv_tile, num_kv_tiles);
+            if (count >= STAGES) {
+                TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
+                mbarrier_wait_parity(&smem.K_empty[stage], empty_parity(count));
+            }
             TRACE_EVENT(TRACE_TMA_K, kv_tile);
-            const int row = (num_kv_tiles - 1 - kv_tile) * BLOCK_N;  // the last (maybe partial) tile first
-            load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, row, tma_coord(p.k_stride[1], w.head),
-                                   tma_coord(p.k_stride[0], w.batch), &smem.K_full[stage]);
-            TRACE_EVENT(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
-            if (kv_count >= STAGES) mbarrier_wait_parity(&smem.V_empty[stage], parity);
-            TRACE_EVENT(TRACE_EMPTY_WAIT_END, kv_tile);
+            load_tile_tma<BLOCK_N>(smem.K[stage], &K_map, row, tma_coord(p.k_stride[1], w.head), tma_coord(p.k_stride[0], w.batch),
+                                   &smem.K_full[stage]);
+            if (count >= STAGES) {
+                TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
+                mbarrier_wait_parity(&smem.V_empty[stage], empty_parity(count));
+            }
             TRACE_EVENT(TRACE_TMA_V, kv_tile);
-            load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, row, tma_coord(p.v_stride[1], w.head),
-                                   tma_coord(p.v_stride[0], w.batch), &smem.V_full[stage]);
+            load_tile_tma<BLOCK_N>(smem.V[stage], &V_map, row, tma_coord(p.v_stride[1], w.head), tma_coord(p.v_stride[0], w.batch),
+                                   &smem.V_full[stage]);
         }
     }
 }
 
-// A consumer warpgroup: 64 query rows, step10's math in a new order. The tensor-core work between two
-// softmaxes is one "GEMM block": O += P V of the previous tile, then S = Q K^T of this one. Ping-pong: a
-// consumer issues its block only on its turn and hands the turn over once the block is issued, so the two
-// consumers' blocks reach the tensor cores alternately and each one's softmax runs under the other's block.
-__device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUtensorMap& O_map, int consumer) {
-    const int warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;  // warp 0-7 among the consumers
-    const int quad_row = lane / 4;   // this lane holds rows quad_row and quad_row + 8 of its warp's 16
-    const int quad_col = lane % 4;   // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
-    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);  // the last one may be partial: TMA fills zeros
-    const int my_turn = consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN;
-    const int other_turn = consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN;
-    const int epilogue_barrier = consumer == 0 ? EPILOGUE0 : EPILOGUE1;
-    const bool elected = threadIdx.x % 128 == 0;  // the warpgroup's thread that issues its TMA stores
+// A consumer warpgroup: 64 query rows of every work tile, in registers. The tensor-core work between two
+// softmaxes is one GEMM block: S = Q K^T of K/V tile j, then O += P V of tile j-1, two commit groups issued on
+// this consumer's turn. The first block holds only S of tile 0, the last only the P V of the last tile:
+// peeled, so that no wgmma sits on a conditional path (ptxas would serialize it).
+struct MmaWarpgroup {
+    SharedStorage& smem;
+    const FwdParams& p;
+    const int index;               // 0 or 1: rows 64 * index .. 64 * index + 63 of the work tile
+    const Turn turn;
+    const int lane, warp;          // warp 0-3 of this warpgroup: rows 16 * warp .. 16 * warp + 15 of its 64
+    const int quad_row;            // this lane holds rows quad_row and quad_row + 8 of its warp's 16
+    const int quad_col;            // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
+    const uint32_t Q_rows;         // this warpgroup's 64 rows of Q at k-step 0: the A operand of S = Q K^T
+    const float scale_log2;        // softmax scale * log2(e): exp(x * scale) = 2^(x * scale_log2)
+    float S_acc[S_BLOCKS * 4];     // S_acc[4 * nb + i]: key block nb, i as in mma's D fragment (common/wgmma.cuh)
+    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: O_acc[4 * db + i] likewise
+    uint32_t P_frag[PV_STEPS][4];  // the last softmax's P in bf16: the A operand of the next O += P V
+    float m_i[2];                  // running max of rows quad_row, quad_row+8 (RAW scores)
+    float l_i[2];                  // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
+    float alpha[2];                // ... and the rescale factor of the last softmax
 
-    // This warpgroup's 64 rows of Q, at k-step 0: the A operand of S = Q K^T, K-major, 128-byte swizzle.
-    const uint32_t Q_rows = smem_u32(smem.Q) + consumer * ROWS_PER_WARPGROUP * ROW_BYTES;
-    const float scale_log2 = p.scale * 1.4426950408889634f;  // softmax scale * log2(e): exp(x*scale) = 2^(x*scale_log2)
-    float m_i[2] = {-INFINITY, -INFINITY};  // running max of rows quad_row, quad_row+8 (RAW scores)
-    float l_i[2] = {0.f, 0.f};              // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
-    float O_acc[O_BLOCKS * 4];              // the warpgroup's [64 rows, 128 dims]: O_acc[4 * db + i] as mma's D
-    uint32_t P_frag[PV_STEPS][4];           // the previous tile's P: the A operand of the next GEMM block
+    __device__ MmaWarpgroup(SharedStorage& smem_, const FwdParams& p_, int index_)
+        : smem(smem_), p(p_), index(index_), turn(index_), lane(threadIdx.x % 32), warp(threadIdx.x / 32 % 4), quad_row(lane / 4),
+          quad_col(lane % 4), Q_rows(smem_u32(smem_.Q) + index_ * ROWS_PER_WARPGROUP * ROW_BYTES), scale_log2(p_.scale * LOG2E) {}
 
-    // The pieces of the loop, each used in more than one place below (the first and the last GEMM block
-    // hold one product each; peeling them keeps every wgmma off a conditional path, which ptxas would
-    // otherwise serialize).
-    auto issue_qk = [&](float (&S)[S_BLOCKS * 4], int stage) {  // S = Q K^T: step10's 8 SS wgmma
+    // S = Q K^T: 8 SS wgmma, one per 16-wide k-step of the head dim (32 bytes further inside an atom, or in
+    // the other half).
+    __device__ void issue_qk(int stage) {
         const uint32_t K_tile = smem_u32(smem.K[stage]);
         for (int kk = 0; kk < QK_STEPS; ++kk) {
-            const uint32_t k_offset = kk / KSTEPS_PER_HALF * Q_HALF_BYTES + kk % KSTEPS_PER_HALF * KSTEP_BYTES;
-            const uint32_t k_offset_kv = kk / KSTEPS_PER_HALF * KV_HALF_BYTES + kk % KSTEPS_PER_HALF * KSTEP_BYTES;
-            wgmma_m64n128k16_ss(S, wgmma_desc(Q_rows + k_offset, 16, ATOM_BYTES),
-                                wgmma_desc(K_tile + k_offset_kv, 16, ATOM_BYTES), kk > 0);
+            const uint32_t half = kk / KSTEPS_PER_HALF, kstep = kk % KSTEPS_PER_HALF * KSTEP_BYTES;
+            wgmma_m64n128k16_ss(S_acc, wgmma_desc_kmajor(Q_rows + half * Q_HALF_BYTES + kstep),
+                                wgmma_desc_kmajor(K_tile + half * KV_HALF_BYTES + kstep), kk > 0);
         }
-    };
-    auto issue_pv = [&](int stage) {  // O += P V: step10's 8 RS wgmma, P from the previous softmax
+    }
+    // O += P V: 8 RS wgmma, one per 16 keys, P from registers, V N-major (16 keys = 2 atoms further).
+    __device__ void issue_pv(int stage) {
         const uint32_t V_tile = smem_u32(smem.V[stage]);
         for (int kk = 0; kk < PV_STEPS; ++kk)
-            wgmma_m64n128k16_rs(O_acc, P_frag[kk], wgmma_desc(V_tile + kk * 2 * ATOM_BYTES, KV_HALF_BYTES, ATOM_BYTES), 1);
-    };
-    // Any seqlen_k: the last K/V tile may hold fewer than BLOCK_N keys. TMA filled the rest of its K and V with
-    // zeros; their scores (0, not -inf) must not count, so they become -inf before the softmax (2^-inf = 0).
-    // The producer loads that tile FIRST, so only block 0 below masks: inside the loop the compiler turned
-    // the mask into ~127 instructions (selects, compares) run on every tile.
-    const int last_tile_keys = p.seqlen_k - (num_kv_tiles - 1) * BLOCK_N;  // 1 .. BLOCK_N
-    auto mask_past_seqlen_k = [&](float (&S)[S_BLOCKS * 4]) {
-        if (last_tile_keys == BLOCK_N) return;
+            wgmma_m64n128k16_rs(O_acc, P_frag[kk], wgmma_desc_nmajor(V_tile + kk * 2 * WGMMA_ATOM_BYTES, KV_HALF_BYTES), 1);
+    }
+    // The last K/V tile may hold fewer than BLOCK_N keys: TMA filled the rest of its K and V with zeros, whose
+    // scores (0, not -inf) must not count, so they become -inf before the softmax (2^-inf = 0).
+    __device__ void mask_past_seqlen_k(int keys) {
         for (int nb = 0; nb < S_BLOCKS; ++nb)
-            for (int i = 0; i < 4; ++i)  // S[4 nb + i] is key 8 nb + 2 quad_col + i % 2 (common/wgmma.cuh)
-                if (8 * nb + 2 * quad_col + i % 2 >= last_tile_keys) S[4 * nb + i] = -INFINITY;
-    };
-    // The softmax in two halves. First the online-softmax update of this lane's two rows (r = 0: quad_row,
-    // r = 1: quad_row + 8) on S alone: the new max, the probabilities in place, the row sums; it returns each
-    // row's rescale factor alpha. It touches neither O nor P_frag, which the previous tile's P V may still
-    // be reading or writing.
-    auto softmax = [&](float (&S)[S_BLOCKS * 4], float (&alpha)[2]) {
+            for (int i = 0; i < 4; ++i)  // S_acc[4 nb + i] is key 8 nb + 2 quad_col + i % 2
+                if (8 * nb + 2 * quad_col + i % 2 >= keys) S_acc[4 * nb + i] = -INFINITY;
+    }
+    // The softmax's first half, on S alone (it runs while this warpgroup's P V may still read P and write O):
+    // the online-softmax update of this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8) -- the new
+    // max, the probabilities in place, the row sums -- and each row's rescale factor alpha.
+    __device__ void softmax() {
         for (int r = 0; r < 2; ++r) {
             float tile_max = -INFINITY;
-            for (int nb = 0; nb < S_BLOCKS; ++nb)
-                tile_max = fmaxf(tile_max, fmaxf(S[4 * nb + 2 * r], S[4 * nb + 2 * r + 1]));
+            for (int nb = 0; nb < S_BLOCKS; ++nb) tile_max = fmaxf(tile_max, fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
             // Conditional rescaling: keep the old shift unless the tile's max is far above it (always moved on
             // the first tile, where m_i = -inf). Exact either way: l and O use the same shift (verify/model.py).
             const float row_max = quad_max(tile_max);
@@ -236,23 +237,19 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
             alpha[r] = move ? ex2_approx_ftz((m_i[r] - m_new) * scale_log2) : 1.f;  // 2^-inf = 0 on the first tile
             const float m_scaled = m_new * scale_log2;
             float row_sum = 0.f;
-            for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one exponential per element
-                const float x0 = fmaf(S[4 * nb + 2 * r], scale_log2, -m_scaled);
-                const float x1 = fmaf(S[4 * nb + 2 * r + 1], scale_log2, -m_scaled);
-                const bool on_fma = nb < FMA_EXP2_BLOCKS;  // a compile-time choice per block
-                S[4 * nb + 2 * r] = on_fma ? exp2_poly3(x0) : ex2_approx_ftz(x0);
-                S[4 * nb + 2 * r + 1] = on_fma ? exp2_poly3(x1) : ex2_approx_ftz(x1);
-                row_sum += S[4 * nb + 2 * r] + S[4 * nb + 2 * r + 1];
+            for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one MUFU.EX2 per element
+                S_acc[4 * nb + 2 * r] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r], scale_log2, -m_scaled));
+                S_acc[4 * nb + 2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r + 1], scale_log2, -m_scaled));
+                row_sum += S_acc[4 * nb + 2 * r] + S_acc[4 * nb + 2 * r + 1];
             }
             l_i[r] = alpha[r] * l_i[r] + row_sum;  // no shuffle: the quad's parts are added once, at the end
             m_i[r] = m_new;
         }
-    };
-    // Then, once the previous P V is complete: rescale O, and P for the next block (two neighbouring 8-key
-    // blocks of S, rounded to bf16).
-    // The rescale is skipped when no row of the warp moved its shift (a warp-uniform branch): after the
-    // first few tiles of a row that is the common case.
-    auto rescale_o_and_make_p = [&](const float (&S)[S_BLOCKS * 4], const float (&alpha)[2]) {
+    }
+    // The second half, once the previous P V is complete: rescale O (skipped when no row of the warp moved
+    // its shift, a warp-uniform branch: after the first few tiles of a row the common case), and P for the
+    // next block (two neighbouring 8-key blocks of S, rounded to bf16).
+    __device__ void rescale_o_and_make_p() {
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
             for (int db = 0; db < O_BLOCKS; ++db) {
                 for (int r = 0; r < 2; ++r) {
@@ -262,149 +259,155 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
             }
         }
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            P_frag[kk][0] = cvt_rn_bf16x2_f32(S[8 * kk + 0], S[8 * kk + 1]);  // row g,   keys +2t
-            P_frag[kk][1] = cvt_rn_bf16x2_f32(S[8 * kk + 2], S[8 * kk + 3]);  // row g+8, keys +2t
-            P_frag[kk][2] = cvt_rn_bf16x2_f32(S[8 * kk + 4], S[8 * kk + 5]);  // row g,   keys +8+2t
-            P_frag[kk][3] = cvt_rn_bf16x2_f32(S[8 * kk + 6], S[8 * kk + 7]);  // row g+8, keys +8+2t
+            P_frag[kk][0] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 0], S_acc[8 * kk + 1]);  // row g,   keys +2t
+            P_frag[kk][1] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 2], S_acc[8 * kk + 3]);  // row g+8, keys +2t
+            P_frag[kk][2] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 4], S_acc[8 * kk + 5]);  // row g,   keys +8+2t
+            P_frag[kk][3] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 6], S_acc[8 * kk + 7]);  // row g+8, keys +8+2t
         }
-    };
-    // A slot's n-th use completes its phase n: the parity to wait on for tile j.
-    auto parity = [](int kv_count) { return uint32_t(kv_count / STAGES) % 2; };
-    float S_acc[S_BLOCKS * 4];  // S_acc[4 * nb + i]: key block nb, i as in mma's D fragment
-    float alpha[2];             // this tile's rescale factors of rows quad_row, quad_row + 8
-    int kv_count = 0;           // K/V tiles consumed so far, over all work tiles: the ring's position
-    int iteration = 0;
+    }
+    __device__ void release(uint64_t* empty) const {  // this warp is done with a ring slot
+        if (lane == 0) mbarrier_arrive(empty);
+    }
 
-    // Step 2: the work tiles of this CTA (the producer walks the same list). Each starts from scratch.
-    for (int t = blockIdx.x; t < num_work_tiles(p); t += gridDim.x, ++iteration) {
-    const WorkTile w = work_tile(t, p);
-    m_i[0] = m_i[1] = -INFINITY;
-    l_i[0] = l_i[1] = 0.f;
-    for (int i = 0; i < O_BLOCKS * 4; ++i) O_acc[i] = 0.f;
-    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, t);
-    mbarrier_wait_parity(&smem.Q_full, iteration % 2);  // this tile's Q
-    TRACE_EVENT(TRACE_FULL_WAIT_END, t);
-
-    // Step 3: the GEMM blocks, each on this consumer's turn: wait for the turn, issue, hand the turn over
-    // once the block is issued, then wait for the block and do the softmax while the other consumer's
-    // block runs on the tensor cores. Consumer 0 takes the first turn.
-    if (consumer == 1) named_barrier_arrive(CONSUMER0_TURN, TURN_THREADS);
-
-    // Block 0: S = Q K^T of tile 0 alone.
-    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, 0);
-    mbarrier_wait_parity(&smem.K_full[kv_count % STAGES], parity(kv_count));
-    TRACE_EVENT(TRACE_FULL_WAIT_END, 0);
-    TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, 0);
-    named_barrier_sync(my_turn, TURN_THREADS);
-    TRACE_EVENT(TRACE_TURN_WAIT_END, 0);
-    wgmma_fence();
-    issue_qk(S_acc, kv_count % STAGES);
-    wgmma_commit_group();
-    named_barrier_arrive(other_turn, TURN_THREADS);
-    TRACE_EVENT(TRACE_GEMM_ISSUED, 0);
-    wgmma_wait_group<0>();
-    TRACE_EVENT(TRACE_GEMM_WAITED_ALL, 0);
-    wgmma_fence_operands(S_acc);
-    if (lane == 0) mbarrier_arrive(&smem.K_empty[kv_count % STAGES]);  // this warp is done with the K tile
-    mask_past_seqlen_k(S_acc);  // block 0 holds the last K/V tile (the producer loads it first)
-    TRACE_EVENT(TRACE_SOFTMAX_BEGIN, 0);
-    softmax(S_acc, alpha);
-    TRACE_EVENT(TRACE_SOFTMAX_END, 0);
-    TRACE_EVENT(TRACE_RESCALE_BEGIN, 0);
-    rescale_o_and_make_p(S_acc, alpha);
-    TRACE_EVENT(TRACE_RESCALE_END, 0);
-
-    // Blocks 1 .. n-1: S = Q K^T of tile j FIRST, then O += P V of tile j-1, as two commit groups. The
-    // softmax of tile j needs only the first: it starts as soon as S is done (wait_group<1>) and runs while
-    // the tensor cores still work on this warpgroup's own P V (and then on the other consumer's block).
-    for (int kv_tile = 1; kv_tile < num_kv_tiles; ++kv_tile) {
-        const int count = kv_count + kv_tile;
+    // A new work tile starts from scratch.
+    __device__ void start_tile() {
+        m_i[0] = m_i[1] = -INFINITY;
+        l_i[0] = l_i[1] = 0.f;
+        for (int i = 0; i < O_BLOCKS * 4; ++i) O_acc[i] = 0.f;
+    }
+    // GEMM block 0: S = Q K^T of K/V tile 0 alone. Tile 0 is the last in the sequence (kv_row): the only one
+    // that may hold fewer than BLOCK_N keys.
+    __device__ void gemm_block_first(int count, int keys) {
+        const int stage = count % STAGES;
+        wait_full(&smem.K_full[stage], count, 0);
+        turn.take(0);
+        wgmma_fence();  // S was last read by ordinary instructions (the previous work tile's softmax)
+        issue_qk(stage);
+        wgmma_commit_group();
+        turn.pass();
+        TRACE_EVENT(TRACE_GEMM_ISSUED, 0);
+        wgmma_wait_group<0>();
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, 0);
+        wgmma_fence_operands(S_acc);
+        release(&smem.K_empty[stage]);
+        if (keys < BLOCK_N) mask_past_seqlen_k(keys);
+        {
+            TRACE_SPAN(TRACE_SOFTMAX_BEGIN, 0);
+            softmax();
+        }
+        TRACE_SPAN(TRACE_RESCALE_BEGIN, 0);
+        rescale_o_and_make_p();
+    }
+    // GEMM blocks 1 .. n-1: S = Q K^T of tile j FIRST, then O += P V of tile j-1, as two commit groups. The
+    // softmax of tile j needs only the first: it starts as soon as S is done (wait_group 1) and runs while the
+    // tensor cores still work on this warpgroup's own P V (and then on the other consumer's block).
+    __device__ void gemm_block_steady(int count, int kv_tile) {
         const int stage = count % STAGES, prev_stage = (count - 1) % STAGES;
-        TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, kv_tile);
-        mbarrier_wait_parity(&smem.K_full[stage], parity(count));
-        mbarrier_wait_parity(&smem.V_full[prev_stage], parity(count - 1));
-        TRACE_EVENT(TRACE_FULL_WAIT_END, kv_tile);
-        TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, kv_tile);
-        named_barrier_sync(my_turn, TURN_THREADS);
-        TRACE_EVENT(TRACE_TURN_WAIT_END, kv_tile);
-        wgmma_fence();  // O_acc (rescaled), P_frag and S_acc were last touched by ordinary instructions
-        issue_qk(S_acc, stage);
+        wait_full(&smem.K_full[stage], count, kv_tile);
+        wait_full(&smem.V_full[prev_stage], count - 1, kv_tile);
+        turn.take(kv_tile);
+        wgmma_fence();  // O (rescaled), P and S were last touched by ordinary instructions
+        issue_qk(stage);
         wgmma_commit_group();
         issue_pv(prev_stage);
         wgmma_commit_group();
-        named_barrier_arrive(other_turn, TURN_THREADS);
+        turn.pass();
         TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
         TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
-        wgmma_wait_group<1>();          // S is complete (P V may still run)...
+        wgmma_wait_group<1>();        // S is complete (P V may still run)...
         TRACE_EVENT(TRACE_GEMM_WAITED_ALL_BUT_1, kv_tile);
-        wgmma_fence_operands(S_acc);    // ...and the compiler may not read S any earlier
-        if (lane == 0) mbarrier_arrive(&smem.K_empty[stage]);  // this warp is done with the K tile
-        TRACE_EVENT(TRACE_SOFTMAX_BEGIN, kv_tile);
-        softmax(S_acc, alpha);          // under the tensor cores' P V...
-        keep_work_before_wait();        // ...there, not after the wait below (step13)
-        TRACE_EVENT(TRACE_SOFTMAX_END, kv_tile);
-        wgmma_wait_group<0>();          // P V is complete: O and P_frag are free again
+        wgmma_fence_operands(S_acc);  // ...and the compiler may not read S any earlier
+        release(&smem.K_empty[stage]);
+        {
+            TRACE_SPAN(TRACE_SOFTMAX_BEGIN, kv_tile);
+            softmax();                // under the tensor cores' P V...
+            keep_work_before_wait();  // ...there, not after the wait below (ptxas would move the wait up)
+        }
+        wgmma_wait_group<0>();        // P V is complete: O and P are free again
         TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
         wgmma_fence_operands(O_acc);
-        if (lane == 0) mbarrier_arrive(&smem.V_empty[prev_stage]);  // ... and so is the previous V tile
-        TRACE_EVENT(TRACE_RESCALE_BEGIN, kv_tile);
-        rescale_o_and_make_p(S_acc, alpha);
-        TRACE_EVENT(TRACE_RESCALE_END, kv_tile);
+        release(&smem.V_empty[prev_stage]);
+        TRACE_SPAN(TRACE_RESCALE_BEGIN, kv_tile);
+        rescale_o_and_make_p();
+    }
+    // GEMM block n: O += P V of the last tile alone. Consumer 1 hands no turn over after it: consumer 0 has no
+    // block left in this work tile, and takes the next tile's first turn from consumer 1's opening arrival.
+    __device__ void gemm_block_last(int count, int kv_tile) {
+        const int stage = count % STAGES;
+        wait_full(&smem.V_full[stage], count, kv_tile);
+        turn.take(kv_tile);
+        wgmma_fence();
+        issue_pv(stage);
+        wgmma_commit_group();
+        if (index == 0) turn.pass();
+        TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
+        wgmma_wait_group<0>();
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
+        wgmma_fence_operands(O_acc);
+        release(&smem.V_empty[stage]);
     }
 
-    // Block n: O += P V of the last tile alone. Consumer 1 hands no turn over after it: consumer 0 has no
-    // block left, and an arrival nobody waits for would leave the barrier half-counted at exit.
-    // Every S = Q K^T of this tile has completed: the producer may load the next tile's Q.
-    if (lane == 0) mbarrier_arrive(&smem.Q_empty);
-    const int last = kv_count + num_kv_tiles - 1;
-    TRACE_EVENT(TRACE_FULL_WAIT_BEGIN, num_kv_tiles);
-    mbarrier_wait_parity(&smem.V_full[last % STAGES], parity(last));
-    TRACE_EVENT(TRACE_FULL_WAIT_END, num_kv_tiles);
-    TRACE_EVENT(TRACE_TURN_WAIT_BEGIN, num_kv_tiles);
-    named_barrier_sync(my_turn, TURN_THREADS);
-    TRACE_EVENT(TRACE_TURN_WAIT_END, num_kv_tiles);
-    wgmma_fence();
-    issue_pv(last % STAGES);
-    wgmma_commit_group();
-    if (consumer == 0) named_barrier_arrive(other_turn, TURN_THREADS);
-    TRACE_EVENT(TRACE_GEMM_ISSUED, num_kv_tiles);
-    wgmma_wait_group<0>();
-    TRACE_EVENT(TRACE_GEMM_WAITED_ALL, num_kv_tiles);
-    wgmma_fence_operands(O_acc);
-    if (lane == 0) mbarrier_arrive(&smem.V_empty[last % STAGES]);
-    kv_count += num_kv_tiles;
+    // The epilogue through shared memory: the normalized O goes into this warpgroup's output tile in TMA's
+    // swizzled layout, and one thread stores it with two bulk tensor copies (one per 64-column half), which
+    // run on while the warpgroup starts its next work tile; TMA leaves out rows past seqlen_q. Before the
+    // tile is overwritten, the previous tile's store must have read it. LSE goes straight to global memory.
+    __device__ void epilogue(const WorkTile& w, const CUtensorMap& O_map, int t) {
+        TRACE_SPAN(TRACE_EPILOGUE_BEGIN, t);
+        const int barrier = index == 0 ? EPILOGUE0 : EPILOGUE1;
+        const bool elected = threadIdx.x % WARPGROUP_THREADS == 0;  // the thread that issues the TMA stores
+        __nv_bfloat16* O_tile = smem.O_acc[index];
+        if (elected) cp_async_bulk_wait_group_read<0>();
+        named_barrier_sync(barrier, WARPGROUP_THREADS);  // the whole warpgroup knows O_tile is free
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(l_i[r]);
+            const float inv_l = 1.f / l;
+            const int row = warp * 16 + quad_row + 8 * r;  // in this warpgroup's 64 rows
+            for (int db = 0; db < O_BLOCKS; ++db)
+                *reinterpret_cast<__nv_bfloat162*>(O_tile + swizzle_tma_128b<ROWS_PER_WARPGROUP>(row, db * 8 + 2 * quad_col)) =
+                    __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
+            const int64_t q_row = int64_t(w.q_tile) * BLOCK_M + index * ROWS_PER_WARPGROUP + row;
+            if (quad_col == 0 && q_row < p.seqlen_q)  // rows past seqlen_q (zeros from TMA) are computed, not stored
+                p.lse[(int64_t(w.batch) * p.heads + w.head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
+        }
+        fence_proxy_async_shared_cta();            // this thread's stores are visible to the TMA unit...
+        named_barrier_sync(barrier, WARPGROUP_THREADS);  // ...and so are everyone else's
+        if (elected) {
+            const int row0 = w.q_tile * BLOCK_M + index * ROWS_PER_WARPGROUP;
+            const int head = tma_coord(p.o_stride[1], w.head), batch = tma_coord(p.o_stride[0], w.batch);
+            cp_async_bulk_tensor_4d_shared_to_global(&O_map, 0, row0, head, batch, O_tile);
+            cp_async_bulk_tensor_4d_shared_to_global(&O_map, TMA_HALF_COLS, row0, head, batch, O_tile + ROWS_PER_WARPGROUP * TMA_HALF_COLS);
+            cp_async_bulk_commit_group();
+        }
+    }
+    // The last stores are done before the CTA (and its shared memory) goes.
+    __device__ void finish() const {
+        if (threadIdx.x % WARPGROUP_THREADS == 0) cp_async_bulk_wait_group<0>();
+    }
+};
 
-    // Step 6: the epilogue through shared memory. The normalized O goes into this warpgroup's output tile in
-    // TMA's swizzled layout, and one thread stores it with two bulk tensor copies (one per 64-column half):
-    // the copies run on while the warpgroup starts its next work tile. Before the tile is overwritten, the
-    // previous tile's store must have read it. LSE goes straight to global memory as before.
-    TRACE_EVENT(TRACE_EPILOGUE_BEGIN, t);
-    __nv_bfloat16* O_tile = smem.O[consumer];
-    if (elected) cp_async_bulk_wait_group_read<0>();
-    named_barrier_sync(epilogue_barrier, 128);  // the whole warpgroup knows O_tile is free
-    for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(l_i[r]);
-        const float inv_l = 1.f / l;
-        const int row = warp % 4 * 16 + quad_row + 8 * r;  // in this warpgroup's 64 rows
-        for (int db = 0; db < O_BLOCKS; ++db)
-            *reinterpret_cast<__nv_bfloat162*>(O_tile + swizzle_tma_128b<ROWS_PER_WARPGROUP>(row, db * 8 + 2 * quad_col)) =
-                __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
-        const int64_t q_row = int64_t(w.q_tile) * BLOCK_M + consumer * ROWS_PER_WARPGROUP + row;
-        if (quad_col == 0 && q_row < p.seqlen_q)  // rows past seqlen_q (zeros from TMA) are computed, not stored
-            p.lse[(int64_t(w.batch) * p.heads + w.head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
+// A consumer's work: the work tiles of this CTA (the producer walks the same list), each a sequence of GEMM
+// blocks on this consumer's turns. The ring's count runs on across work tiles, as the producer's does.
+__device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUtensorMap& O_map, int index) {
+    MmaWarpgroup wg(smem, p, index);
+    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);
+    const int first_tile_keys = p.seqlen_k - (num_kv_tiles - 1) * BLOCK_N;  // 1 .. BLOCK_N: K/V tile 0 is the last
+    int count = 0, iteration = 0;
+    for (int t = blockIdx.x; t < num_work_tiles(p); t += gridDim.x, ++iteration) {
+        const WorkTile w = work_tile(t, p);
+        wg.start_tile();
+        {
+            TRACE_SPAN(TRACE_FULL_WAIT_BEGIN, t);
+            mbarrier_wait_parity(&smem.Q_full, iteration % 2);  // this tile's Q
+        }
+        if (index == 1) wg.turn.pass();  // consumer 0 takes the first turn of every work tile
+        wg.gemm_block_first(count, first_tile_keys);
+        for (int kv_tile = 1; kv_tile < num_kv_tiles; ++kv_tile) wg.gemm_block_steady(count + kv_tile, kv_tile);
+        wg.release(&smem.Q_empty);  // every S = Q K^T of this tile has completed: the producer may load the next Q
+        wg.gemm_block_last(count + num_kv_tiles - 1, num_kv_tiles);
+        count += num_kv_tiles;
+        wg.epilogue(w, O_map, t);
     }
-    fence_proxy_async_shared_cta();             // this thread's stores are visible to the TMA unit...
-    named_barrier_sync(epilogue_barrier, 128);  // ...and so are everyone else's
-    if (elected) {
-        const int row0 = w.q_tile * BLOCK_M + consumer * ROWS_PER_WARPGROUP;
-        const int head = tma_coord(p.o_stride[1], w.head), batch = tma_coord(p.o_stride[0], w.batch);
-        cp_async_bulk_tensor_4d_shared_to_global(&O_map, 0, row0, head, batch, O_tile);
-        cp_async_bulk_tensor_4d_shared_to_global(&O_map, 64, row0, head, batch, O_tile + ROWS_PER_WARPGROUP * 64);
-        cp_async_bulk_commit_group();
-    }
-    TRACE_EVENT(TRACE_EPILOGUE_END, t);
-    }  // work tiles
-    if (elected) cp_async_bulk_wait_group<0>();  // the last stores are done before the CTA (and its smem) goes
+    wg.finish();
 }
 
 // The kernel: set up the barriers, then split by warpgroup into the two roles. The tensor maps are
@@ -416,8 +419,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-    // Step 1: one thread initializes the barriers: a full barrier completes on its producer's expect_tx
-    // plus the TMA bytes (1 arrival), an empty barrier on one arrival from every consumer warp.
+    // One thread initializes the barriers: a full barrier completes on its producer's expect_tx plus the TMA
+    // bytes (1 arrival), an empty barrier on one arrival from every consumer warp.
     if (threadIdx.x == 0) {
         mbarrier_init(&smem.Q_full, 1);
         mbarrier_init(&smem.Q_empty, CONSUMER_WARPS);
@@ -429,8 +432,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
     }
     __syncthreads();  // no thread waits on a barrier before it is initialized; the last block-wide barrier
 
-    // Step 2: the roles. Each setmaxnreg is executed by a whole warpgroup.
-    const int warpgroup = threadIdx.x / 128;
+    // The roles. Each setmaxnreg is executed by a whole warpgroup.
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x == 0) producer_load(smem, p, Q_map, K_map, V_map);  // the other 127 threads are done

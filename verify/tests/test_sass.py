@@ -111,13 +111,16 @@ CLAIMS = [
                    "USETMAXREG.TRY_ALLOC (setmaxnreg.inc: the consumers take them)": r"USETMAXREG\.TRY_ALLOC\b"}),
     Claim("named_barriers", 11, None,
           present={"BAR.ARV (bar.arrive: a consumer hands the tensor cores to the other, ping-pong)": r"BAR\.ARV\b"}),
-    Claim("intra_warpgroup_overlap", 12, None,
+    Claim("conditional_rescale", 12, None,
+          present={"VOTE.ANY on a predicate (__any_sync: did any row of the warp move its max? if none, O is not rescaled)":
+                   r"VOTE\.ANY\s+P\d"}),
+    Claim("intra_warpgroup_overlap", 13, None,
           present={"WARPGROUP.DEPBAR.LE gsb0, 0x1 (wgmma.wait_group 1: the softmax starts with P V in flight)":
                    r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b"}),
-    # 64 = a thread's exponentials of one tile on MUFU while FMA_EXP2_BLOCKS = 0 (a share on the FMA pipe lowers it).
+    # 64 = a thread's exponentials of one tile (2 rows x 32 keys), all on MUFU.
     Claim("softmax_under_pv", 13, None,
           between=("MUFU.EX2 (a thread's 64 exponentials of one tile) between wgmma.wait_group 1 and the next "
-                   "wait_group 0: they run while P V is in flight, not after it (step12's SASS has none there)",
+                   "wait_group 0: they run while P V is in flight, not after it (without the fence, ptxas puts none there)",
                    r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", r"MUFU\.EX2\b", 64)),
     Claim("tma_store", 14, None, present={"UTMASTG (cp.async.bulk.tensor shared -> global: the epilogue)": r"UTMASTG\b"}),
     Claim("no_local_memory", 1, None, absent={"LDL (a load from local memory)": r"LDL\b",
