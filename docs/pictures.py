@@ -46,7 +46,8 @@ def step_constant(step: str, name: str) -> int:
 
 HEAD_DIM = constant(ROOT / "common" / "flashladder.cuh", "HEAD_DIM")
 ELEM_BYTES = 2                    # bf16
-BOX_COLS = 64                     # a TMA box row: 64 bf16 = 128 bytes, the widest row the 128-byte swizzle takes
+# a TMA box row: 64 bf16 = 128 bytes, the widest row the 128-byte swizzle takes (common/swizzle.cuh)
+BOX_COLS = constant(ROOT / "common" / "swizzle.cuh", "TMA_HALF_COLS")
 CHUNK_ELEMS = 16 // ELEM_BYTES    # one 16-byte chunk: 8 bf16
 ATOM_ROWS = 8                     # one swizzle atom: 8 rows of 128 bytes
 
