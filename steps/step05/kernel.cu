@@ -22,7 +22,7 @@
 //   registers) the warps still run in lock-step between barriers, and the tensor pipe idles while all of
 //   them do their softmax at once (ncu on the first draft of step06, which had this step's 8-warp
 //   block: 34% tensor-pipe utilization, 0.57 eligible warps per scheduler;
-//   results/h200/exploration/ncu_step06_8warps.txt). Steps 06 and 07 attack that.
+//   results/h200/exploration/ncu_step06_8warps.txt@3c57885). Steps 06 and 07 attack that.
 #include "flashladder.cuh"
 #include "ptx.cuh"
 #include "swizzle.cuh"

@@ -6,7 +6,7 @@
 //
 // WHAT CHANGED FROM STEP05
 //   The same math with fewer instructions around each mma. ncu on step05's kernel shape (8 warps x 16
-//   rows; results/h200/exploration/ncu_step06_8warps.txt) counted ~866 instructions per warp per K/V
+//   rows; results/h200/exploration/ncu_step06_8warps.txt@3c57885) counted ~866 instructions per warp per K/V
 //   tile for 128 mma, 2 warps per scheduler with only 0.57 of them ready per cycle, and the tensor pipe
 //   busy 34% of the time: every instruction that is not an mma stands in the mma's way. Four cuts:
 //   * ldmatrix.x4 instead of .x2 for K and V: one instruction fetches the B fragments of two 8-key
@@ -26,8 +26,8 @@
 //   The tiling is step05's: 8 warps x 16 query rows, 64-key tiles, Q in registers for the whole loop.
 //
 // PREDICTION: ~1.2x step05. The first draft of this step (ldmatrix.x4 + exp2 + lazy sums, without the
-//   XOR addresses) ran at 301 / 310 TFLOP/s at N = 4K / 16K (results/h200/exploration/variants1.log),
-//   and the XOR addresses gave nothing measurable on a 16-row-per-warp variant (variants3.log).
+//   XOR addresses) ran at 301 / 310 TFLOP/s at N = 4K / 16K (results/h200/exploration/variants1.log@3c57885),
+//   and the XOR addresses gave nothing measurable on a 16-row-per-warp variant (results/h200/exploration/variants3.log@3c57885).
 // MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
 //   246.6 / 250.6 / 253.2 -> 309.6 / 316.4 / 319.6 TFLOP/s (1.26x at each N), 0.89 / 0.90 / 0.90x SDPA's
 //   FLASH backend (FlashAttention-2): as predicted. Fewer instructions per mma, the same 8 warps in lock-step.

@@ -9,7 +9,7 @@
 //   128-row block. Every K fragment (and every V fragment) that a warp loads from shared memory with
 //   ldmatrix now feeds TWO mma, one per row block, where step06 fed one. Counting one 64-key tile per warp:
 //   step06 moves K and V (2 x 16 KB) through ldmatrix for 16 rows, this step for 32 rows, so the shared-
-//   memory traffic per mma falls by ~40% (Q's fragments, below, take back part of the half), and each warp
+//   memory traffic per mma falls by an estimated ~40% (Q's fragments, below, take back part of the half), and each warp
 //   has twice as many independent mma in flight between its ldmatrix.
 //   The price is registers. O (2 x 64) + S (2 x 32) accumulators per thread leave no room to keep Q in
 //   registers for the whole loop as step06 does: Q's fragments are re-read from shared memory at every
@@ -19,7 +19,8 @@
 //   independent blocks whose barriers do not line up, so one block's softmax can run beside the other's mma.
 //
 // PREDICTION: ~1.15-1.2x step06, FlashAttention-2's level (~1.0x SDPA's FLASH backend). On the way to
-//   this step (results/h200/exploration/variants1.log, variants4.log, NOTES.md), 16 rows per warp ran at
+//   this step (results/h200/exploration/variants1.log@3c57885,
+//   results/h200/exploration/variants4.log@3c57885, NOTES.md), 16 rows per warp ran at
 //   301 / 310 TFLOP/s at N = 4K / 16K and this tiling, rolled and spill-free, at 359 / 360.
 // MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
 //   309.6 / 316.4 / 319.6 -> 351.7 / 360.1 / 362.2 TFLOP/s (1.14 / 1.14 / 1.13x step06), 1.01 / 1.03 / 1.02x
