@@ -16,8 +16,10 @@ import ctypes
 import functools
 import math
 import numbers
+import os
 import struct
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -43,7 +45,9 @@ class FwdParams(ctypes.Structure):
     ]
 
 
-def _load_library(path: Path) -> ctypes.CDLL:
+def load_library(path: Path) -> ctypes.CDLL:
+    """A step's _kernel.so, its C ABI declared to ctypes and checked against this binding (version, FwdParams).
+    Public: verify.trace loads a step's normal build with it, beside the traced one it imports."""
     if not path.exists():
         raise ImportError(f"{path} is missing: build the step first (pip install steps/<step>, or python -m verify)")
     lib = ctypes.CDLL(str(path))
@@ -199,13 +203,33 @@ def make_params(q, k, v, o, lse, scale: float) -> FwdParams:
                      q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale)
 
 
+def no_cuda_reason() -> Optional[str]:
+    """What this machine lacks to run a kernel (a CUDA build of torch, a driver, a GPU), or None. Called at import,
+    so it avoids starting CUDA (the process may fork later): the driver's library is only loaded, not initialized,
+    and torch.cuda.device_count() asks NVML where it can (unlike torch.cuda.is_available(), which calls cuInit)."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no NVIDIA driver on this machine (libcuda.so.1 not found)"
+    if torch.cuda.device_count() == 0:
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return "no CUDA GPU visible" + (f" (CUDA_VISIBLE_DEVICES={hidden!r})" if hidden is not None else "")
+    return None
+
+
 def bind_step(module_name: str):
     """Build the public API of the step package `module_name` (e.g. 'flashladder.step01')."""
     step = module_name.rsplit(".", 1)[-1]
-    lib = _load_library(Path(sys.modules[module_name].__file__).resolve().parent / "_kernel.so")
+    lib = load_library(Path(sys.modules[module_name].__file__).resolve().parent / "_kernel.so")
     seqlen_multiple = (lib.flashladder_seqlen_multiple_q(), lib.flashladder_seqlen_multiple_k())  # (q, k/v)
     # The work tiles (q, k/v): exported by a step that takes any seqlen, else the multiples (common/flashladder.cuh).
     tile = ((lib.flashladder_tile_q(), lib.flashladder_tile_k()) if hasattr(lib, "flashladder_tile_q") else seqlen_multiple)
+    # Said at import, so that it comes before torch's own error at the first CUDA call (e.g. torch.randn(device="cuda")).
+    if why := no_cuda_reason():  # stacklevel 3: the line that imports the step (pkg/__init__.py calls this)
+        warnings.warn(f"flashladder.{step}: {why}; the kernel runs on an sm_90 GPU (H100/H200) with a CUDA build of torch",
+                      stacklevel=3)
 
     def launch(q, k, v, o, lse, scale: float) -> None:
         if q.numel() == 0:  # batch, heads or seqlen_q is 0: nothing to compute (as SDPA: empty outputs)

@@ -1,8 +1,10 @@
 """Build glue shared by every step: compile a step's kernel.cu with nvcc into a ctypes-loadable .so.
 
-Used twice, always the same way:
-  * by each step's setup.py (``pip install steps/stepNN``), which puts the built package in the wheel;
-  * by ``verify`` (``python -m verify``, the tests), which builds every step into ``build/dev/``.
+The one build of a step, used by:
+  * each step's setup.py (``pip install steps/stepNN``), which puts the built package in the wheel;
+  * ``verify`` (``python -m verify``, the tests), which builds every step into ``build/dev/``;
+  * ``verify.trace``, which builds the traced steps into ``build/trace/`` with one extra flag
+    (``compile_step(..., extra_nvcc_flags=("-DFLASHLADDER_TRACE",))``).
 A step's sdist carries this file, the headers and the binding in its own ``common/`` (see ``setup_step``),
 so it builds on its own, away from the repository.
 
@@ -88,36 +90,43 @@ def _sources(step_dir: Path) -> list[Path]:
     return [step_dir / "kernel.cu", step_dir / "pkg" / "__init__.py", *common_files(), LICENSE]
 
 
-def _fingerprint(step_dir: Path, nvcc: str) -> str:
-    h = hashlib.sha256(" ".join([nvcc, *NVCC_FLAGS]).encode() + nvcc_version_text(nvcc).encode())
+def _fingerprint(step_dir: Path, nvcc: str, flags: list[str]) -> str:
+    """What a build depends on: nvcc's path, version and flags, and every source file's name and bytes."""
+    h = hashlib.sha256(" ".join([nvcc, *flags]).encode() + nvcc_version_text(nvcc).encode())
     for src in _sources(step_dir):
         h.update(src.name.encode() + src.read_bytes())
     return h.hexdigest()
 
 
-def compile_step(step_dir: Path, pkg_out: Path, force: bool = False) -> bool:
+def compile_step(step_dir: Path, pkg_out: Path, force: bool = False, extra_nvcc_flags: tuple[str, ...] = ()) -> bool:
     """Build the step package into `pkg_out` (a folder named after the step).
 
+    `extra_nvcc_flags` go after NVCC_FLAGS (e.g. ("-DFLASHLADDER_TRACE",) for verify.trace's build); they are
+    part of the fingerprint, so a build with other flags into the same folder is never taken for current.
     Skips nvcc when nothing that goes into the build (sources, flags, nvcc's path and version) changed since
     the last build into pkg_out. Returns True if nvcc ran, False if the build there was current (cached).
     Raises RuntimeError with nvcc's output if the compile fails.
     """
     step_dir, pkg_out = Path(step_dir).resolve(), Path(pkg_out)
+    if isinstance(extra_nvcc_flags, str):  # ("-DX") is a string, not a tuple: refuse it rather than split it
+        raise TypeError(f"extra_nvcc_flags must be a sequence of flags, got the string {extra_nvcc_flags!r}")
+    flags = [*NVCC_FLAGS, *extra_nvcc_flags]
     nvcc = find_nvcc()
     if nvcc_version(nvcc) < MIN_NVCC:
         raise RuntimeError(f"{nvcc} is CUDA {nvcc_version(nvcc)}; flashladder needs nvcc >= 12.8 for sm_90a")
     pkg_out.mkdir(parents=True, exist_ok=True)
     so, report, stamp = pkg_out / "_kernel.so", pkg_out / "_ptxas.txt", pkg_out / ".fingerprint"
-    fp = _fingerprint(step_dir, nvcc)
+    fp = _fingerprint(step_dir, nvcc, flags)
     if not force and so.exists() and report.exists() and stamp.exists() and stamp.read_text() == fp:
         return False
     shutil.copyfile(step_dir / "pkg" / "__init__.py", pkg_out / "__init__.py")
     shutil.copyfile(COMMON / "binding.py", pkg_out / "_binding.py")
     shutil.copyfile(LICENSE, pkg_out / "LICENSE")
-    cmd = [nvcc, *NVCC_FLAGS, f"-I{COMMON}", str(step_dir / "kernel.cu"), "-o", str(so)]
+    cmd = [nvcc, *flags, f"-I{COMMON}", str(step_dir / "kernel.cu"), "-o", str(so)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed for {step_dir.name}:\n$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+        with_flags = f" (with {' '.join(extra_nvcc_flags)})" if extra_nvcc_flags else ""
+        raise RuntimeError(f"nvcc failed for {step_dir.name}{with_flags}:\n$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
     report.write_text(proc.stdout + proc.stderr)
     stamp.write_text(fp)
     return True

@@ -1,11 +1,11 @@
 """python -m verify.trace: measured timelines of the warp-specialized steps, one PNG per step.
 
-    python -m verify.trace                           # every step with TRACE_EVENT points; batch 1, 16 heads, N = 4096
+    python -m verify.trace                           # every step with trace points; batch 1, 16 heads, N = 4096
     python -m verify.trace --steps 11-12 --zoom 4-8  # a subset, another zoom
     python -m verify.trace --replay DIR              # no GPU: redraw from the stepNN.json files a run wrote
 
 Each step is built with -DFLASHLADDER_TRACE into build/trace/ (common/trace.cuh: lane 0 of every warp of CTA
-(0, 0, 0) records its TRACE_EVENT points with clock64 and %globaltimer) and run once, after a warm-up, in a
+(0, 0, 0) records its trace points (TRACE_EVENT, TRACE_SPAN) with clock64 and %globaltimer) and run once, after a warm-up, in a
 process of its own with a time limit: a kernel that hangs fails its step, and the run goes on. Per step it
 writes to --out (default results/<gpu>/timeline/): stepNN.json, the raw events; stepNN.png, the timeline of
 the producer and the first warp of each consumer warpgroup, the whole run of CTA 0 above a zoom on a few K/V
@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import importlib
 import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -45,7 +43,7 @@ build_step = steps_mod.build_step
 ROOT = steps_mod.ROOT
 HEADER = build_step.COMMON / "trace.cuh"
 TRACE_DIR = ROOT / "build" / "trace"  # holds flashladder/stepNN/ packages built with -DFLASHLADDER_TRACE
-TRACE_FLAGS = [*build_step.NVCC_FLAGS, "-DFLASHLADDER_TRACE"]
+TRACE_FLAGS = ("-DFLASHLADDER_TRACE",)  # added to build_step.NVCC_FLAGS
 PROG = "python -m verify.trace"
 FORMAT = "flashladder-trace-1"  # the raw file's layout (stepNN.json)
 COLUMNS = ["region", "warp", "event", "arg", "clock", "globaltimer", "smid"]
@@ -87,23 +85,41 @@ def event_names(header: Path = HEADER) -> dict[int, str]:
     return names
 
 
-TRACE_LINE = re.compile(r"\s*TRACE_EVENT\(TRACE_(\w+), [^;]+\);\s*")
+# A trace point: TRACE_EVENT(TRACE_X, arg); records X there; TRACE_SPAN(TRACE_X_BEGIN, arg); records X_BEGIN there
+# and X_END where the enclosing scope closes (common/trace.cuh: the enum's next value). One statement per line.
+TRACE_LINE = re.compile(r"\s*TRACE_(EVENT|SPAN)\(TRACE_(\w+), [^;]+\);\s*")
 
 
 def trace_points(kernel_cu: Path) -> list[str]:
-    """The events a kernel.cu marks, one per TRACE_EVENT line. Each must be a one-line statement of its own, so
-    that the source without those lines is exactly the kernel without tracing (verify/tests/test_trace.py)."""
-    names = set(event_names().values())
+    """The events a kernel.cu marks, one per TRACE_EVENT line and two (X_BEGIN, X_END) per TRACE_SPAN line. Each
+    must be a one-line statement of its own, so that the source without those lines is exactly the kernel without
+    tracing (verify/tests/test_trace.py)."""
+    return points_in(kernel_cu.read_text(), str(kernel_cu))
+
+
+def points_in(source: str, where: str = "kernel.cu") -> list[str]:
+    """trace_points() of a kernel's source text; `where` names it in the errors."""
+    kernel_cu = where
+    ids = {name: i for i, name in event_names().items()}
     points = []
-    for number, line in enumerate(kernel_cu.read_text().splitlines(), 1):
-        if "TRACE_EVENT" not in line:
+    for number, line in enumerate(source.splitlines(), 1):
+        if "TRACE_EVENT" not in line and "TRACE_SPAN" not in line:
             continue
         m = TRACE_LINE.fullmatch(line)
         if not m:
-            raise ValueError(f"{kernel_cu}:{number}: TRACE_EVENT must be a one-line statement of its own: {line.strip()}")
-        if m.group(1) not in names:
-            raise ValueError(f"{kernel_cu}:{number}: TRACE_{m.group(1)} is not in common/trace.cuh's TraceEvent enum")
-        points.append(m.group(1))
+            raise ValueError(f"{kernel_cu}:{number}: TRACE_EVENT and TRACE_SPAN must be one-line statements of their own: "
+                             f"{line.strip()}")
+        kind, name = m.groups()
+        if name not in ids:
+            raise ValueError(f"{kernel_cu}:{number}: TRACE_{name} is not in common/trace.cuh's TraceEvent enum")
+        if kind == "EVENT":
+            points.append(name)
+            continue
+        end = name[:-len("BEGIN")] + "END" if name.endswith("_BEGIN") else None
+        if end is None or ids.get(end) != ids[name] + 1:
+            raise ValueError(f"{kernel_cu}:{number}: TRACE_SPAN takes a TRACE_X_BEGIN whose next enum value is "
+                             f"TRACE_X_END (common/trace.cuh), not TRACE_{name}")
+        points += [name, end]
     return points
 
 
@@ -112,34 +128,18 @@ def step_dirs() -> dict[str, Path]:
 
 
 def traced_steps(steps: list[str] | None = None) -> list[str]:
-    """Of `steps` (default: all), those whose kernel.cu has TRACE_EVENT points."""
+    """Of `steps` (default: all), those whose kernel.cu has trace points."""
     dirs = step_dirs()
     return [s for s in (steps or list(dirs)) if trace_points(dirs[s] / "kernel.cu")]
 
 
-# ---- the trace build (build_step's nvcc command, plus -DFLASHLADDER_TRACE) ----
+# ---- the trace build: build_step.compile_step, plus -DFLASHLADDER_TRACE ----
 
 def build(step: str, force: bool = False) -> Path:
-    """Build the trace variant of `step` into build/trace/flashladder/<step>/ (cached by content). Returns the folder."""
-    step_dir, out = step_dirs()[step], TRACE_DIR / "flashladder" / step
-    nvcc = build_step.find_nvcc()
-    if build_step.nvcc_version(nvcc) < build_step.MIN_NVCC:
-        raise RuntimeError(f"{nvcc} is CUDA {build_step.nvcc_version(nvcc)}; flashladder needs nvcc >= 12.8 for sm_90a")
-    h = hashlib.sha256(" ".join([nvcc, *TRACE_FLAGS]).encode() + build_step.nvcc_version_text(nvcc).encode())
-    for src in (step_dir / "kernel.cu", step_dir / "pkg" / "__init__.py", *build_step.common_files()):
-        h.update(src.name.encode() + src.read_bytes())
-    so, report, stamp = out / "_kernel.so", out / "_ptxas.txt", out / ".fingerprint"
-    if not force and so.exists() and report.exists() and stamp.exists() and stamp.read_text() == h.hexdigest():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(step_dir / "pkg" / "__init__.py", out / "__init__.py")
-    shutil.copyfile(build_step.COMMON / "binding.py", out / "_binding.py")
-    cmd = [nvcc, *TRACE_FLAGS, f"-I{build_step.COMMON}", str(step_dir / "kernel.cu"), "-o", str(so)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed for the trace build of {step}:\n$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
-    report.write_text(proc.stdout + proc.stderr)
-    stamp.write_text(h.hexdigest())
+    """Build the trace variant of `step` into build/trace/flashladder/<step>/ (cached by content, the flag
+    included, as every build). Returns the folder."""
+    out = TRACE_DIR / "flashladder" / step
+    build_step.compile_step(step_dirs()[step], out, force=force, extra_nvcc_flags=TRACE_FLAGS)
     return out
 
 
@@ -219,7 +219,7 @@ def decode(region: int, events: list[list[int]], names: dict[int, str]) -> list[
 def time_untraced(binding, dev_so: Path, q, k, v, reps: int = 20) -> float:
     """Median time (us) of the step's normal build on the same inputs, for the cost of tracing."""
     import torch
-    lib = binding._load_library(dev_so)
+    lib = binding.load_library(dev_so)
     o, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     params = binding.make_params(q, k, v, o, lse, 1.0 / math.sqrt(binding.HEAD_DIM))
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
@@ -551,7 +551,7 @@ def run_recorder(step: str, shape, raw_path: Path, timeout: float) -> str | None
 
 def main(argv=None) -> int:
     ap = steps_mod.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=steps_mod.steps_arg, help="e.g. 10-14, step12 (default: every step with TRACE_EVENT points)")
+    ap.add_argument("--steps", type=steps_mod.steps_arg, help="e.g. 10-14, step12 (default: every step with trace points)")
     ap.add_argument("--shape", type=shape_arg, default=(1, 16, 4096), help="batch,heads,seqlen (default: 1,16,4096)")
     ap.add_argument("--zoom", type=zoom_arg, default=(8, 12), help="K/V tiles LO-HI to zoom on (default: 8-12)")
     ap.add_argument("--out", type=Path, metavar="DIR", help="where to write (default: results/<gpu>/timeline, or the --replay DIR)")
@@ -577,7 +577,7 @@ def main(argv=None) -> int:
     if args.steps:
         untraced = [s for s in args.steps if s not in traced]
         if untraced:
-            ap.error(f"argument --steps: {', '.join(untraced)} has no TRACE_EVENT points (those that do: {', '.join(traced) or 'none'})")
+            ap.error(f"argument --steps: {', '.join(untraced)} has no trace points (those that do: {', '.join(traced) or 'none'})")
     steps = args.steps or traced
 
     if args.replay:
@@ -593,7 +593,7 @@ def main(argv=None) -> int:
         if why := steps_mod.no_gpu_reason():
             raise SystemExit(f"{PROG}: error: {why}")
         if not steps:
-            raise SystemExit(f"{PROG}: error: no step has TRACE_EVENT points")
+            raise SystemExit(f"{PROG}: error: no step has trace points (TRACE_EVENT, TRACE_SPAN)")
         import torch
         gpu = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower().replace("nvidia", "")).strip("-") or "gpu"
         out = args.out or ROOT / "results" / gpu / "timeline"

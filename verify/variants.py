@@ -7,7 +7,12 @@ folder name becomes its name. Steps given with --steps run beside them as baseli
 check per variant (the same rules as the tests), then the median time at each N, and a table last: TFLOP/s,
 the SM clock and board power of the timed window, and TFLOP/s per GHz (on a GPU at its power limit a change
 can win per clock and lose the clock). A folder named diag_* is a diagnostic build, wrong on purpose (a copy
-that skips the loads, say): it is timed, not checked.
+that skips the loads, say): it is timed, not checked. Each variant is built by build_step.compile_step, the
+steps' own build, into build/dev/flashladder/<name>/.
+
+The variants behind NOTES.md's experiments (the wait ptxas moved, step14's diagnostics, TMA multicast) were
+text patches of the kernels of their day; they live in the git history, with how to rebuild each:
+`git show 3c57885:notes/variants/README.md`.
 """
 import shutil
 import sys

@@ -1,8 +1,12 @@
 """The binding's edge cases (common/binding.py): its guard of the C ABI, the strides it hands the kernel,
-empty and keyless inputs, the alignment it asks of lse, one check per call. CPU where it can be, else GPU."""
+empty and keyless inputs, the alignment it asks of lse, one check per call, what it says at import on a machine
+that cannot run a kernel. CPU where it can be, else GPU."""
 import ctypes
 import math
+import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +14,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from verify import steps as steps_mod  # noqa: E402
 from verify.checks import make_inputs, replay  # noqa: E402
 from verify.reference import attention_reference  # noqa: E402
-from verify.tests.conftest import has_cuda_gpu, needs_gpu  # noqa: E402
+from verify.tests.conftest import has_cuda_gpu, needs_gpu, selected_steps  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -31,7 +36,7 @@ def test_abi_version_mismatch_is_refused(mod, monkeypatch):
     binding = mod._binding
     monkeypatch.setattr(binding, "ABI_VERSION", binding.ABI_VERSION + 1)
     with pytest.raises(ImportError, match=f"built for ABI {binding.ABI_VERSION - 1}, this binding speaks {binding.ABI_VERSION}"):
-        binding._load_library(Path(mod.info["library"]))
+        binding.load_library(Path(mod.info["library"]))
 
 
 def test_params_mirror_mismatch_is_refused(mod, monkeypatch):
@@ -42,18 +47,55 @@ def test_params_mirror_mismatch_is_refused(mod, monkeypatch):
         _fields_ = [*binding.FwdParams._fields_, ("extra", ctypes.c_int64)]
     monkeypatch.setattr(binding, "FwdParams", Mirror)
     with pytest.raises(ImportError, match="sizeof\\(FwdParams\\) is .* the two disagree"):
-        binding._load_library(Path(mod.info["library"]))
+        binding.load_library(Path(mod.info["library"]))
 
 
 def test_missing_library_is_refused(mod, tmp_path):
     with pytest.raises(ImportError, match="_kernel.so is missing: build the step first"):
-        mod._binding._load_library(tmp_path / "_kernel.so")
+        mod._binding.load_library(tmp_path / "_kernel.so")
 
 
 def test_kernel_library_links_no_torch(mod):
     """The binding talks to a plain C library: nothing in it depends on libtorch's C++ ABI."""
     deps = subprocess.run(["ldd", mod.info["library"]], capture_output=True, text=True).stdout
     assert deps and not any(lib in deps for lib in ("libtorch", "libc10")), deps
+
+
+# ---------------------------------------------------------------- a machine that cannot run a kernel
+
+def no_libcuda(name, *args, **kwargs):
+    raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+
+@pytest.mark.parametrize("cuda, libcuda, gpus, why", [
+    (None, None, 0, "torch .* is a CPU build"),
+    ("13.0", no_libcuda, 0, "no NVIDIA driver on this machine \\(libcuda.so.1 not found\\)"),
+    ("13.0", lambda name: None, 0, "no CUDA GPU visible \\(CUDA_VISIBLE_DEVICES=''\\)"),
+    ("13.0", lambda name: None, 1, None),
+], ids=["cpu-torch", "no-driver", "no-gpu", "gpu"])
+def test_no_cuda_reason_names_what_is_missing(built, monkeypatch, cuda, libcuda, gpus, why):
+    binding = steps_mod.load(selected_steps()[0])._binding  # common/binding.py, as a step has it: one step will do
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    if libcuda:
+        monkeypatch.setattr(binding.ctypes, "CDLL", libcuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    reason = binding.no_cuda_reason()
+    assert reason is None if why is None else re.fullmatch(why, reason), reason
+
+
+def test_the_step_says_what_is_missing_before_torchs_own_error(built):
+    """Importing a step where no kernel can run warns in one line; the first CUDA call then fails in torch, after it.
+    CUDA_VISIBLE_DEVICES='' hides the GPU, so this also runs (and must pass) on the GPU machine."""
+    step = selected_steps()[0]
+    code = f"import torch\nfrom flashladder.{step} import attention\ntorch.zeros(1, device='cuda')\n"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=steps_mod.ROOT,
+                         env={**os.environ, "PYTHONPATH": str(steps_mod.DEV), "CUDA_VISIBLE_DEVICES": ""})
+    lines = res.stderr.splitlines()
+    said = [i for i, line in enumerate(lines) if f"UserWarning: flashladder.{step}: " in line]
+    assert res.returncode != 0 and len(said) == 1 and "Traceback (most recent call last):" in lines, res.stderr
+    assert lines[said[0]].startswith("<string>:2: ") and "H100/H200" in lines[said[0]], res.stderr
+    assert said[0] < lines.index("Traceback (most recent call last):"), res.stderr
 
 
 # ---------------------------------------------------------------- strides

@@ -197,7 +197,7 @@ def test_wrong_gpu_architecture(mod, monkeypatch):
 def test_launcher_reports_launch_errors(mod):
     """A launch the GPU refuses (here an empty grid) comes back as an error code, never silently."""
     torch.zeros(1, device="cuda")  # make the primary context current
-    lib = mod._binding._load_library(Path(mod.info["library"]))
+    lib = mod._binding.load_library(Path(mod.info["library"]))
     params = mod._binding.FwdParams(batch=1, heads=1, seqlen_q=0, seqlen_k=0, scale=1.0)
     err = lib.flashladder_fwd(ctypes.byref(params), None)
     assert err != 0, "an empty grid must be reported as a launch error"

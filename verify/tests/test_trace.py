@@ -1,6 +1,6 @@
 """The measured timelines (common/trace.cuh, python -m verify.trace).
 
-CPU, for each step with TRACE_EVENT points: every point is a one-line statement and sits where the kernel
+CPU, for each step with trace points (TRACE_EVENT, TRACE_SPAN): every point is a one-line statement and sits where the kernel
 commits, waits for and hands over its GEMMs; tracing costs nothing when off (the normal build's SASS is the
 SASS of the source without the trace lines, and it exports no trace function); the trace build compiles
 without spills and without ptxas changing how the wgmma run. CPU, without a step: the analysis, the summary
@@ -13,6 +13,7 @@ import copy
 import ctypes
 import json
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -64,11 +65,13 @@ def code_of(source: str) -> str:
 def point_problems(source: str) -> list[str]:
     """Where a kernel's trace points disagree with its code: a GEMM commit, wait or turn without its event, or a
     span opened and not closed in the source."""
-    points = Counter(m.group(1) for m in re.finditer(r"TRACE_EVENT\(TRACE_(\w+),", source))
+    points = Counter(trace.points_in(source))
     code = code_of(source)
     expected = {"GEMM_ISSUED": code.count("wgmma_commit_group();"), "GEMM_WAITED_ALL": code.count("wgmma_wait_group<0>();"),
                 "GEMM_WAITED_ALL_BUT_1": code.count("wgmma_wait_group<1>();"),
-                "TURN_WAIT_BEGIN": code.count("named_barrier_sync(my_turn"),
+                # ping-pong's turn: a named barrier of both consumers' threads (one warpgroup's is another barrier)
+                "TURN_WAIT_BEGIN": sum(1 for n in re.findall(r"named_barrier_sync\([^,]+,\s*([^)]+)\)", code)
+                                       if n.strip() not in ("WARPGROUP_THREADS", "128")),
                 "TMA_K": len(re.findall(r"load_tile_tma<\w+>\(smem\.K\b", code)),
                 "TMA_V": len(re.findall(r"load_tile_tma<\w+>\(smem\.V\b", code)),
                 "TMA_Q": len(re.findall(r"load_tile_tma<\w+>\(smem\.Q\b", code))}
@@ -92,9 +95,23 @@ def test_trace_points_sit_at_every_gemm_and_wait(traced_step):
 
 def test_trace_point_check_fails_on_a_missing_point(traced_step):
     lines = kernel_cu(traced_step).read_text().splitlines()
-    for name in ("GEMM_ISSUED", "SOFTMAX_END"):
+    for name in ("GEMM_ISSUED", "GEMM_WAITED_ALL"):
         first = next(i for i, ln in enumerate(lines) if f"TRACE_{name}," in ln)
         assert point_problems("\n".join(lines[:first] + lines[first + 1:])), f"removing a TRACE_{name} went unnoticed"
+    without_softmax = [ln for ln in lines if "TRACE_SOFTMAX_" not in ln]
+    assert "no TRACE_SOFTMAX_BEGIN" in point_problems("\n".join(without_softmax))
+
+
+def test_spans_and_pairs_of_events():
+    """TRACE_SPAN(TRACE_X_BEGIN, a) stands for X_BEGIN and X_END (common/trace.cuh records the end where the scope
+    closes); it takes only a *_BEGIN whose next enum value is its *_END. Explicit BEGIN/END events must pair up."""
+    assert trace.points_in("    TRACE_SPAN(TRACE_SOFTMAX_BEGIN, j);\n") == ["SOFTMAX_BEGIN", "SOFTMAX_END"]
+    assert trace.points_in("  TRACE_EVENT(TRACE_SOFTMAX_BEGIN, j);\n  TRACE_EVENT(TRACE_SOFTMAX_END, j);\n") == [
+        "SOFTMAX_BEGIN", "SOFTMAX_END"]
+    for wrong in ("TRACE_SOFTMAX_END", "TRACE_GEMM_ISSUED"):
+        with pytest.raises(ValueError, match="TRACE_SPAN takes a TRACE_X_BEGIN"):
+            trace.points_in(f"    TRACE_SPAN({wrong}, j);\n")
+    assert "1 TRACE_SOFTMAX_BEGIN but 0 TRACE_SOFTMAX_END" in point_problems("  TRACE_EVENT(TRACE_SOFTMAX_BEGIN, j);\n")
 
 
 def test_trace_point_must_be_a_line_of_its_own(tmp_path):
@@ -104,6 +121,9 @@ def test_trace_point_must_be_a_line_of_its_own(tmp_path):
         trace.trace_points(cu)
     cu.write_text("    TRACE_EVENT(TRACE_NO_SUCH_EVENT, 0);\n")
     with pytest.raises(ValueError, match="not in common/trace.cuh"):
+        trace.trace_points(cu)
+    cu.write_text("    for (;;) { TRACE_SPAN(TRACE_SOFTMAX_BEGIN, 0); }\n")
+    with pytest.raises(ValueError, match="one-line statement"):
         trace.trace_points(cu)
 
 
@@ -140,14 +160,12 @@ def exports_trace(so: Path) -> bool:
 def test_tracing_costs_nothing_when_off(traced_step, built, trace_built, cuobjdump, tmp_path):
     """The normal build's machine code is that of the source without the trace lines, instruction for instruction,
     and it exports no trace function. The same comparison tells the trace build apart (so it can fail)."""
-    stripped = tmp_path / "kernel.cu"
-    stripped.write_text(strip_trace(kernel_cu(traced_step).read_text()))
-    assert "TRACE_EVENT" not in stripped.read_text()
-    so = tmp_path / "_kernel.so"
-    proc = subprocess.run([build_step.find_nvcc(), *build_step.NVCC_FLAGS, f"-I{build_step.COMMON}", str(stripped), "-o", str(so)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    without = sass(cuobjdump, so)
+    stripped = tmp_path / traced_step  # a step folder holding the source without its trace lines
+    shutil.copytree(kernel_cu(traced_step).parent / "pkg", stripped / "pkg")
+    (stripped / "kernel.cu").write_text(strip_trace(kernel_cu(traced_step).read_text()))
+    assert "TRACE_EVENT" not in (stripped / "kernel.cu").read_text() and "TRACE_SPAN" not in (stripped / "kernel.cu").read_text()
+    build_step.compile_step(stripped, tmp_path / "out")  # the normal build's command, on the stripped source
+    without = sass(cuobjdump, tmp_path / "out" / "_kernel.so")
     normal_so = steps_mod.DEV / "flashladder" / traced_step / "_kernel.so"
     normal = sass(cuobjdump, normal_so)
     diff = next((f"{a} vs {b}" for a, b in zip(normal, without) if a != b), f"{len(normal)} vs {len(without)} instructions")
@@ -155,6 +173,20 @@ def test_tracing_costs_nothing_when_off(traced_step, built, trace_built, cuobjdu
     assert not exports_trace(normal_so), f"{traced_step}: the normal build exports flashladder_trace_read_warp"
     traced_so = trace_built[traced_step] / "_kernel.so"
     assert sass(cuobjdump, traced_so) != without and exports_trace(traced_so), f"{traced_step}: the trace build traces nothing"
+
+
+def test_extra_flags_are_in_the_fingerprint(tmp_path):
+    """verify.trace builds through build_step.compile_step with -DFLASHLADDER_TRACE added: the flag is part of the
+    fingerprint, so a build with it is never taken for the build without it, in either direction (step01: any
+    step's build shows it, and step01's is the quickest)."""
+    step_dir, out = build_step.find_steps()[0], tmp_path / "pkg"
+    assert build_step.compile_step(step_dir, out) is True
+    assert build_step.compile_step(step_dir, out) is False, "an unchanged build was not cached"
+    assert build_step.compile_step(step_dir, out, extra_nvcc_flags=trace.TRACE_FLAGS) is True, "the flag went unnoticed"
+    assert build_step.compile_step(step_dir, out, extra_nvcc_flags=trace.TRACE_FLAGS) is False
+    assert build_step.compile_step(step_dir, out) is True, "a build with the flag was taken for one without"
+    with pytest.raises(TypeError, match="sequence of flags"):
+        build_step.compile_step(step_dir, out, extra_nvcc_flags="-DFLASHLADDER_TRACE")
 
 
 def test_trace_build_compiles_without_spills(traced_step, built, trace_built):
@@ -418,7 +450,7 @@ def test_cli_refuses_a_step_without_trace_points():
     if not untraced:
         pytest.skip("every step has trace points")
     proc = run_cli("--steps", untraced[0])
-    assert proc.returncode == 2 and "has no TRACE_EVENT points" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "has no trace points" in proc.stderr, proc.stderr
 
 
 @pytest.mark.skipif(has_cuda_gpu(), reason="a GPU is here: the command would run")
