@@ -1,39 +1,64 @@
 """nox sessions. `nox -s verify` is the main job (on a GPU machine); `nox -s tests` is CI's test command.
 
-`tests` and `verify` install requirements-verify.txt, the one list of what verify and its tests need.
+`tests` installs requirements-verify.txt, the one list of what verify and its tests need, into a fresh venv.
+`verify` makes no venv: it runs in the Python that has the CUDA torch (see cuda_torch_python).
 `nox --no-venv -s <session>` runs in the current environment and installs nothing.
 """
 import glob
+import os
+import shutil
+import subprocess
+import sys
 
 import nox
 
 nox.options.sessions = ["tests"]
 REQUIREMENTS = ("-r", "requirements-verify.txt")
 TORCH_CI = "torch==2.13.0"  # CI's pin: its machine has this (CPU) wheel on disk
-SETUPTOOLS = "setuptools>=77"  # the steps' build backend, for the packaging tests (as in steps/*/pyproject.toml)
-CUOBJDUMP = ["nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"]  # the disassembler (cuobjdump -sass runs nvdisasm) for
-#                                                                  verify/tests/test_sass.py: CI's toolkit may lack both
 
 
 @nox.session
 def tests(session):
     """CPU-safe test suite: numerics model, every step compiled with nvcc, packaging, bad-input errors; GPU checks skip."""
     if session.venv_backend != "none":
-        session.install(TORCH_CI, *REQUIREMENTS, SETUPTOOLS, *CUOBJDUMP)
+        session.install(TORCH_CI, *REQUIREMENTS)
     session.run("python", "-m", "pytest", *session.posargs)
 
 
-# The GPU machine's CUDA torch is large and often preinstalled, with no package index in reach: the session's
-# venv sees the system's packages, and pip keeps an installed torch >= 2.4 instead of downloading another.
-# (A torch inside another venv is not visible from here: run `nox --no-venv -s verify` from that venv.)
-@nox.session(venv_params=["--system-site-packages"])
+def candidate_pythons(environ=os.environ, which=shutil.which) -> list[str]:
+    """Where a CUDA torch may be, most likely first: the active virtual or conda environment, nox's own Python,
+    python3 and python on PATH, the Python that nox's environment was made from (e.g. the system's, under pipx)."""
+    found = [os.path.join(environ[var], "bin", "python") for var in ("VIRTUAL_ENV", "CONDA_PREFIX") if environ.get(var)]
+    found += [sys.executable, which("python3"), which("python"), os.path.join(sys.base_prefix, "bin", "python3")]
+    return list(dict.fromkeys(p for p in found if p and os.path.isfile(p)))
+
+
+def cuda_torch_python(candidates) -> tuple[str | None, str]:
+    """The first of `candidates` that imports a CUDA build of torch, and its torch in words; else None and what
+    each one has instead (one line)."""
+    probe = "import torch; print(torch.__version__, torch.version.cuda, torch.__file__, sep='\\n')"
+    tried = []
+    for python in candidates:
+        res = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+        version, cuda, where = res.stdout.splitlines()[-3:] if res.returncode == 0 else ("", "", "")
+        if cuda not in ("", "None"):
+            return python, f"torch {version} (CUDA {cuda}) from {where}"
+        tried.append(f"{python} ({f'torch {version}, a CPU build' if version else 'no torch'})")
+    return None, ", ".join(tried)
+
+
+# The GPU machine's CUDA torch is large and preinstalled, often in a virtual or conda environment, with no package
+# index in reach. A venv made by nox would not see a torch inside another venv, so this session makes none: it runs
+# verify with the Python that has the CUDA torch, and installs nothing into it (verify says first what it lacks).
+@nox.session(venv_backend="none")
 def verify(session):
     """Build, check and benchmark every step beside torch SDPA; writes results/ and the README table."""
-    if session.venv_backend != "none":
-        session.install(*REQUIREMENTS)
-    session.run("python", "-c", "import torch; print('verify uses torch', torch.__version__, 'from', torch.__file__, "
-                "'CUDA', torch.version.cuda)")
-    session.run("python", "-m", "verify", *session.posargs)
+    python, torch_found = cuda_torch_python(candidate_pythons())
+    if python is None:
+        session.error(f"no CUDA build of torch in {torch_found}: install one (>= 2.4) in the environment you run nox "
+                      "from, or run `python -m verify` in the environment that has one")
+    session.log(f"verify runs in {python}: {torch_found}")
+    session.run(python, "-m", "verify", *session.posargs)
 
 
 @nox.session
@@ -46,12 +71,13 @@ def build(session):
 def install_steps(session):
     """pip install every step package the way a user does (build isolation on), then import each."""
     if session.venv_backend != "none":
-        session.install(TORCH_CI, "numpy")  # what the steps need at import (numpy: only to keep torch from warning)
+        session.install(TORCH_CI)  # the steps' torch: CI's pin, not the CUDA torch that pip would choose
     for step in sorted(glob.glob("steps/step[0-9][0-9]")):
         session.install(step)
         name = step.rsplit("/", 1)[-1]
-        session.run("python", "-c", f"import flashladder.{name} as m; print(m.__name__, m.info['seqlen_multiple_q'], "
-                    "m.info['seqlen_multiple_k'])")
+        # torch's warning without numpy made an error: the step's own dependencies must bring numpy
+        session.run("python", "-W", "error:Failed to initialize NumPy", "-c", f"import flashladder.{name} as m; "
+                    "print(m.__name__, m.info['seqlen_multiple_q'], m.info['seqlen_multiple_k'])")
 
 
 @nox.session

@@ -6,7 +6,8 @@
     python -m verify --no-checks           # build + benchmark only
     python -m verify --out DIR             # also write the log, the checks' junit XML and the results to DIR
 
-Runs without nox (the GPU machine has no network). The checks of each step run in a process of their own
+Runs without nox (the GPU machine has no network). What it lacks here (torch, the other requirements, a GPU)
+it says first, in one line, before building anything. The checks of each step run in a process of their own
 with a time limit (--check-timeout): a kernel that hangs (a wrong mbarrier phase never completes) fails its
 step, the process is killed, and the run goes on with the next step; a step that failed is not benchmarked.
 Writes results/<gpu>/<timestamp>.json and .png, regenerates the README table after a full run, and prints a
@@ -33,6 +34,8 @@ from verify import steps as steps_mod
 ROOT = steps_mod.ROOT
 TESTS = ROOT / "verify" / "tests"
 PROG = "python -m verify"
+# What this process and its check processes import (requirements-verify.txt installs them; test_packaging keeps the two agreed).
+NEEDS = ("torch", "numpy", "matplotlib", "pytest", "hypothesis")
 _log_file = None  # <--out>/verify.log while a run writes one
 
 
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=steps_mod.steps_arg, help="e.g. 1-6, step03, 2,5 (default: every step under steps/)")
     ap.add_argument("--seqlens", type=steps_mod.seqlens_arg, help="comma-separated N (default: 1024,...,16384; batch = 16384/N)")
     ap.add_argument("--no-checks", action="store_true", help="skip the pytest checks (a hung kernel then hangs the benchmark)")
-    ap.add_argument("--no-bench", action="store_true", help="skip the benchmark")
+    ap.add_argument("--no-bench", action="store_true", help="skip the benchmark (without a GPU: build, and run the checks that need none)")
     ap.add_argument("--check-timeout", type=float, default=300, metavar="SECONDS",
                     help="time limit for the checks of one step, then its process is killed (default: %(default)s)")
     ap.add_argument("--check-jobs", type=int, default=4, metavar="N",
@@ -195,6 +198,11 @@ def main(argv=None) -> int:
         return regenerate(Path(args.report))
     if args.update_steps_table:
         return 0 if report.update_readme(ROOT / "README.md", None, None) else 1
+    # What is missing here is said first, in one line: before the minutes that building every step takes.
+    if why := steps_mod.missing_modules_reason(NEEDS):
+        raise SystemExit(f"{PROG}: error: {why}")
+    if not args.no_bench and (why := steps_mod.no_gpu_reason()):
+        raise SystemExit(f"{PROG}: error: {why} (--no-bench: build, and run the checks that need no GPU)")
     global _log_file
     if args.out:
         (args.out / "checks").mkdir(parents=True, exist_ok=True)
@@ -207,6 +215,12 @@ def main(argv=None) -> int:
             _log_file = None
 
 
+def stage_labels(args) -> dict[str, str]:
+    """'[i/n]' for each stage that this run has (--no-checks, --no-bench leave theirs out), in the order it runs them."""
+    names = ["build", *([] if args.no_checks else ["checks"]), *([] if args.no_bench else ["bench", "write"])]
+    return {name: f"[{i}/{len(names)}]" for i, name in enumerate(names, 1)}
+
+
 def run(args) -> int:
     """Build, check, benchmark, write: the whole job (main() has read the command line)."""
     from verify import bench, report
@@ -215,8 +229,10 @@ def run(args) -> int:
     out, junit_dir = args.out, (args.out / "checks" if args.out else None)
     tests = args.tests.resolve()
     t_start = time.time()
-
-    log(f"[1/4] building {len(steps)} step(s) with nvcc (sm_90a): {', '.join(steps)}")
+    if not args.no_checks and (why := steps_mod.no_gpu_reason()):  # (main() refused a benchmark without a GPU)
+        log(f"{PROG}: {why}: the checks that need a GPU are skipped")
+    stage = stage_labels(args)
+    log(f"{stage['build']} building {len(steps)} step(s) with nvcc (sm_90a): {', '.join(steps)}")
     try:
         ptxas = steps_mod.build(steps, jobs=args.jobs, log=lambda m: log(m))
     except RuntimeError as e:  # nvcc's own message says what is wrong
@@ -228,34 +244,29 @@ def run(args) -> int:
             log(f"  {s} {kernel}: {res.get('registers')} registers, {res.get('spill_stores', 0)}+{res.get('spill_loads', 0)} "
                 f"spill bytes, {res.get('stack_frame', 0)} B stack")
 
-    import torch
     checks, others = {s: "not run" for s in steps}, "not run"
     if not args.no_checks:
         shown = tests.relative_to(ROOT) if tests.is_relative_to(ROOT) else tests
         from verify.checks import run_seed  # one seed for every step's process: the float64 references are shared
-        log(f"[2/4] checking every step ({shown}), each in a process of its own, {args.check_jobs} at a time; "
-            f"random inputs from FLASHLADDER_SEED={run_seed()}")
+        log(f"{stage['checks']} checking {len(steps)} step(s) ({shown}), each in a process of its own, "
+            f"{args.check_jobs} at a time; random inputs from FLASHLADDER_SEED={run_seed()}")
         with ThreadPoolExecutor(max_workers=1) as side:  # the step-free tests run beside the steps' checks
             others_future = side.submit(check_others, steps, args.check_timeout, junit_dir, tests, log, False)
             checks = check_steps(steps, args.check_timeout, junit_dir, tests, jobs=args.check_jobs)
             others = others_future.result()
         log("  " + ", ".join(f"{s} {v}" for s, v in checks.items()) + f"; other tests {others}")
-    else:
-        log("[2/4] checks skipped (--no-checks)")
     failed = [s for s, v in checks.items() if v.startswith("FAILED")]
     code = 1 if failed or others.startswith("FAILED") else 0
-
-    if args.no_bench or not torch.cuda.is_available():
-        log("[3/4] benchmark skipped" + ("" if args.no_bench else ": no CUDA GPU on this machine"))
+    if args.no_bench:
         return code
 
-    log(f"[3/4] benchmarking {len(steps)} step(s) and torch SDPA at N = {', '.join(map(str, seqlens))}")
+    log(f"{stage['bench']} benchmarking {len(steps)} step(s) and torch SDPA at N = {', '.join(map(str, seqlens))}")
     meta = gpu_meta()
     impls = {s: steps_mod.load(s).attention for s in steps if s not in failed}  # a hung or wrong kernel is not timed
     timing = bench.run(impls, seqlens, timing=bench.timing_from_args(args), log=log)
     meta["clocks_after"] = smi().get("clocks", {})
 
-    log("[4/4] writing results")
+    log(f"{stage['write']} writing results")
     gpu_slug = re.sub(r"[^a-z0-9]+", "-", meta["gpu"].lower().replace("nvidia", "")).strip("-") or "gpu"
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H-%M-%SZ")
     res_dir = ROOT / "results" / gpu_slug

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -98,8 +99,16 @@ def seqlens_arg(text: str) -> list[int]:
     return seqlens
 
 
+def missing_modules_reason(names=("torch",)) -> str | None:
+    """Which of the modules `names` this Python cannot import, said with what to do; None when it has them all."""
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    return f"{sys.executable} has no {', '.join(missing)}: pip install -r requirements-verify.txt" if missing else None
+
+
 def no_gpu_reason() -> str | None:
     """Why the kernels cannot run on this machine, or None when they can."""
+    if why := missing_modules_reason():
+        return why
     import torch
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is a CPU build; the kernels run on an H100/H200 with a CUDA build of torch"

@@ -1,4 +1,4 @@
-// flashladder step08 -- TMA: bulk tensor copies into a K/V ring whose slots complete on mbarriers.
+// flashladder step08 -- TMA: bulk tensor copies into a K/V ring whose slots complete on mbarriers; its zero fill gives any seqlen.
 //
 // The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->

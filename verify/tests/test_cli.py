@@ -1,15 +1,19 @@
-"""The command lines: bad input ends in one line, not a traceback; --out; a hung kernel fails its step in time.
+"""The command lines: bad input ends in one line, not a traceback, and so does a missing torch or GPU, before any
+build; --out; the stage labels; a hung kernel fails its step in time; `nox -s verify` runs where the CUDA torch is.
 
 `python -m verify` runs each step's checks in a process of its own and kills it at --check-timeout; the
 tests below drive that machinery with fake test files (a check that sleeps, on the CPU; a CUDA kernel that
 waits on an mbarrier phase nobody completes, verify/tests/fixtures/hang.cu, on the GPU).
 """
+import argparse
 import ctypes
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -23,9 +27,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 CLIS = {"verify": "python -m verify", "verify.once": "python -m verify.once", "verify.variants": "python -m verify.variants"}
 
 
-def run_cli(module: str, *args, env=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+def run_cli(module: str, *args, env=None, timeout=600, python=(sys.executable,)):
+    return subprocess.run([*python, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+NO_SITE_PACKAGES = (sys.executable, "-S")  # this Python without its installed packages: no torch, no numpy, ...
 
 
 def assert_one_line_error(out, prog: str, *words):
@@ -35,6 +42,10 @@ def assert_one_line_error(out, prog: str, *words):
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error:"), out.stderr
     for w in words:
         assert w in lines[-1], f"{w!r} not in {lines[-1]!r}"
+
+
+def a_step_that_exists() -> str:
+    return steps_mod.all_steps()[0]  # the quickest to compile
 
 
 def a_step_that_does_not_exist() -> str:
@@ -49,13 +60,55 @@ def test_bad_steps_is_a_one_line_error(module, bad):
     assert_one_line_error(out, CLIS[module], "--steps", repr(value))
 
 
-@pytest.mark.parametrize("module", ["verify.once", "verify.variants"])
-def test_without_a_gpu_is_a_one_line_error(module, tmp_path):
-    """CUDA_VISIBLE_DEVICES='' hides the GPU, so this also runs (and must pass) on the GPU machine."""
+def cli_args(module: str, tmp_path: Path) -> list[str]:
+    """A command line that would build and run a step (verify.variants: a kernel that must never be built)."""
     (tmp_path / "kernel.cu").write_text("// never built: the GPU check comes first\n")
-    args = ["--steps", "1"] if module == "verify.once" else [str(tmp_path)]
-    out = run_cli(module, *args, env={"CUDA_VISIBLE_DEVICES": ""})
+    return [str(tmp_path)] if module == "verify.variants" else ["--steps", a_step_that_exists()]
+
+
+@pytest.mark.parametrize("module", CLIS)
+def test_without_a_gpu_is_a_one_line_error_before_any_build(module, tmp_path):
+    """CUDA_VISIBLE_DEVICES='' hides the GPU, so this also runs (and must pass) on the GPU machine."""
+    out = run_cli(module, *cli_args(module, tmp_path), env={"CUDA_VISIBLE_DEVICES": ""})
     assert_one_line_error(out, CLIS[module], "H100/H200")
+    assert out.stdout == "", f"printed before the error (a build?):\n{out.stdout}"
+
+
+@pytest.mark.parametrize("module", CLIS)
+def test_without_torch_is_a_one_line_error_before_any_build(module, tmp_path):
+    out = run_cli(module, *cli_args(module, tmp_path), python=NO_SITE_PACKAGES)
+    assert_one_line_error(out, CLIS[module], "has no torch", "pip install -r requirements-verify.txt")
+    assert out.stdout == "", f"printed before the error (a build?):\n{out.stdout}"
+
+
+def test_verify_names_every_missing_requirement():
+    out = run_cli("verify", "--steps", a_step_that_exists(), "--no-bench", python=NO_SITE_PACKAGES)
+    assert_one_line_error(out, CLIS["verify"], "has no " + ", ".join(verify_main.NEEDS) + ":")
+
+
+def test_verify_without_a_gpu_and_no_bench_says_so_first_then_builds_and_checks(tmp_path):
+    step = a_step_that_exists()
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_fake.py").write_text(f"def test_kernel_{step}():\n    pass\n")
+    out = run_cli("verify", "--steps", step, "--no-bench", "--tests", str(tests), env={"CUDA_VISIBLE_DEVICES": ""})
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert lines[0].startswith("python -m verify: ") and lines[0].endswith(": the checks that need a GPU are skipped"), lines[0]
+    assert "H100/H200" in lines[0]
+    labels = [ln.split()[0] for ln in lines if ln.startswith("[")]
+    assert labels == ["[1/2]", "[2/2]"], out.stdout
+    assert f"[2/2] checking 1 step(s) ({tests})" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("no_checks, no_bench, labels", [
+    (False, False, {"build": "[1/4]", "checks": "[2/4]", "bench": "[3/4]", "write": "[4/4]"}),
+    (True, False, {"build": "[1/3]", "bench": "[2/3]", "write": "[3/3]"}),
+    (False, True, {"build": "[1/2]", "checks": "[2/2]"}),
+    (True, True, {"build": "[1/1]"}),
+])
+def test_stage_labels_count_the_stages_that_run(no_checks, no_bench, labels):
+    assert verify_main.stage_labels(argparse.Namespace(no_checks=no_checks, no_bench=no_bench)) == labels
 
 
 def test_check_steps_a_hung_step_is_killed_and_the_next_step_runs(tmp_path, monkeypatch):
@@ -203,3 +256,94 @@ def test_variants_table_cell_shows_clock_power_and_rate_per_ghz():
     assert full.split() == ["660.4", "TF", "1695", "MHz", "686", "W", "389.6/GHz"]
     bare = cell_text({"tflops": 660.4, "sm_mhz_median": None, "power_w_median": None})
     assert bare.split() == ["660.4", "TF", "-"] and len(bare) == len(full)
+
+
+# ---- nox -s verify: runs in the Python that has the CUDA torch --------------------------------------------
+
+
+@pytest.fixture
+def noxfile(monkeypatch):
+    """noxfile.py as a module, with a stand-in for nox (the tests' environment need not have nox)."""
+    stub = types.ModuleType("nox")
+    stub.options = types.SimpleNamespace()
+    stub.session = lambda *args, **kwargs: args[0] if args and callable(args[0]) else (lambda f: f)
+    monkeypatch.setitem(sys.modules, "nox", stub)
+    spec = importlib.util.spec_from_file_location("noxfile", ROOT / "noxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_python(path: Path, torch: str | None) -> str:
+    """An executable that answers the noxfile's torch probe as a Python with this torch ("2.11.0+cu130 13.0",
+    "2.13.0+cpu None") or none would."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if torch is None:
+        path.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
+    else:
+        version, cuda = torch.split()
+        path.write_text(f"#!/bin/sh\nprintf '%s\\n' {version} {cuda} {path.parent}/torch/__init__.py\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_nox_looks_for_torch_in_the_active_environments_first(noxfile, tmp_path):
+    venv, conda = fake_python(tmp_path / "venv/bin/python", None), fake_python(tmp_path / "conda/bin/python", None)
+    on_path = fake_python(tmp_path / "usr/bin/python3", None)
+    found = noxfile.candidate_pythons({"VIRTUAL_ENV": str(tmp_path / "venv"), "CONDA_PREFIX": str(tmp_path / "conda")},
+                                      which=lambda name: on_path if name == "python3" else str(tmp_path / "nowhere"))
+    assert found[:4] == [venv, conda, sys.executable, on_path], found
+    assert len(found) == len(set(found)) and str(tmp_path / "nowhere") not in found, found
+
+
+def test_nox_picks_the_first_python_with_a_cuda_torch(noxfile, tmp_path):
+    none, cpu = fake_python(tmp_path / "a/python", None), fake_python(tmp_path / "b/python", "2.13.0+cpu None")
+    cuda = fake_python(tmp_path / "c/python", "2.11.0+cu130 13.0")
+    assert noxfile.cuda_torch_python([none, cpu, cuda]) == (cuda, f"torch 2.11.0+cu130 (CUDA 13.0) from {tmp_path}/c/torch/__init__.py")
+    assert noxfile.cuda_torch_python([none, cpu]) == (None, f"{none} (no torch), {cpu} (torch 2.13.0+cpu, a CPU build)")
+
+
+class FakeSession:
+    """What the sessions use of nox's Session, recording what they install and run."""
+    posargs = ["--steps", "5-7"]
+    venv_backend = "virtualenv"
+
+    def __init__(self):
+        self.installed, self.ran = [], []
+
+    def error(self, message):
+        raise RuntimeError(message)
+
+    def log(self, message):
+        pass
+
+    def install(self, *args):
+        self.installed.append(args)
+
+    def run(self, *args):
+        self.ran.append(args)
+
+
+def test_nox_tests_installs_the_requirements_file_and_no_list_of_its_own(noxfile):
+    """requirements-verify.txt is the one list of what the tests need; the session adds only CI's torch pin."""
+    session = FakeSession()
+    noxfile.tests(session)
+    assert session.installed == [(noxfile.TORCH_CI, "-r", "requirements-verify.txt")]
+    assert session.ran == [("python", "-m", "pytest", "--steps", "5-7")]
+
+
+def test_nox_verify_runs_in_the_python_with_the_cuda_torch(noxfile, tmp_path, monkeypatch):
+    cuda = fake_python(tmp_path / "venv/bin/python", "2.11.0+cu130 13.0")
+    monkeypatch.setattr(noxfile, "candidate_pythons", lambda: [fake_python(tmp_path / "python3", None), cuda])
+    session = FakeSession()
+    noxfile.verify(session)
+    assert session.ran == [(cuda, "-m", "verify", "--steps", "5-7")]
+
+
+def test_nox_verify_without_a_cuda_torch_says_what_to_do_in_one_line(noxfile, tmp_path, monkeypatch):
+    cpu = fake_python(tmp_path / "python3", "2.13.0+cpu None")
+    monkeypatch.setattr(noxfile, "candidate_pythons", lambda: [cpu])
+    with pytest.raises(RuntimeError) as e:
+        noxfile.verify(FakeSession())
+    assert str(e.value).startswith(f"no CUDA build of torch in {cpu} (torch 2.13.0+cpu, a CPU build): install one")
+    assert "python -m verify" in str(e.value) and "\n" not in str(e.value)

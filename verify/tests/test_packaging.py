@@ -1,10 +1,11 @@
 """CPU: the repository stands alone and its packages are what a user expects.
 
-Every step's package (license, build backend, wheel tag, an sdist that builds on its own, a clear refusal of
-editable installs), the root project (installs the harness's dependencies and nothing else), the build cache
-(cached vs built, nvcc's version in the fingerprint), and no file that points outside the repository.
+Every step's package (the same files but for its name, its dependencies, license, build backend, wheel tag, an
+sdist with a README that builds on its own, a clear refusal of editable installs), the root project (installs the
+harness's dependencies and nothing else), the build cache (cached vs built, nvcc's version in the fingerprint),
+build outputs that git ignores, and no file that points outside the repository.
 The builds call setuptools' PEP 517 hooks in a subprocess, as pip does, but without build isolation
-(no package index needed): they need setuptools >= 77 here, which `nox -s tests` installs.
+(no package index needed): they need setuptools >= 77 here, which requirements-verify.txt lists.
 """
 import ast
 import platform
@@ -85,10 +86,19 @@ def test_license_is_an_spdx_string_and_setuptools_can_read_it(project):
         f"{project.name}/pyproject.toml: {req!r}; a license string needs setuptools>={SETUPTOOLS_MIN}"
 
 
-def test_steps_share_one_setup_py():
-    first = (STEP_DIRS[0] / "setup.py").read_text()
+@pytest.mark.parametrize("name", ["setup.py", "pyproject.toml", "README.md"])
+def test_steps_share_one_file_but_their_name(name):
+    """Every step's package is made the same way; the kernel.cu is what differs (and says what it adds)."""
+    first = (STEP_DIRS[0] / name).read_text().replace(STEP_DIRS[0].name, "stepNN")
     for step in STEP_DIRS[1:]:
-        assert (step / "setup.py").read_text() == first, f"{step.name}/setup.py differs from {STEP_DIRS[0].name}'s"
+        assert (step / name).read_text().replace(step.name, "stepNN") == first, \
+            f"{step.name}/{name} differs from {STEP_DIRS[0].name}'s in more than the step's name"
+
+
+def test_a_step_depends_on_torch_and_numpy():
+    """torch at run time; numpy because torch warns at import without it and does not bring it."""
+    meta = pyproject(STEP_DIRS[0] / "pyproject.toml")["project"]
+    assert meta["dependencies"] == ["torch>=2.4", "numpy"] and meta["readme"] == "README.md", meta
 
 
 def test_root_pyproject_states_no_false_step_count():
@@ -114,11 +124,12 @@ def test_sdist_builds_on_its_own_into_a_py3_none_wheel(tmp_path):
 
     res = backend("build_sdist", repo / "steps" / step.name, tmp_path / "sdist")
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "standard file not found" not in res.stdout + res.stderr, "the sdist has no README"
     sdist = tmp_path / "sdist" / res.stdout.split()[-1]
     with tarfile.open(sdist) as tar:
         members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
         tar.extractall(tmp_path / "unpacked", filter="data")
-    needed = {"kernel.cu", "pkg/__init__.py", "setup.py", "pyproject.toml", "LICENSE", "common/binding.py",
+    needed = {"kernel.cu", "pkg/__init__.py", "setup.py", "pyproject.toml", "README.md", "LICENSE", "common/binding.py",
               "common/build_step.py", *(f"common/{h}" for h in included_headers(step / "kernel.cu", ROOT / "common"))}
     assert needed <= members, f"{sdist.name} lacks {sorted(needed - members)}"
 
@@ -136,6 +147,8 @@ def test_sdist_builds_on_its_own_into_a_py3_none_wheel(tmp_path):
     package = {f"flashladder/{name}/{f}" for f in ("__init__.py", "_binding.py", "_kernel.so", "_ptxas.txt", "LICENSE")}
     assert package <= files, f"{wheel.name} lacks {sorted(package - files)}"
     assert "License-Expression: MIT" in metadata
+    assert re.findall(r"^Requires-Dist: (.+)$", metadata, re.M) == ["torch>=2.4", "numpy"], metadata
+    assert "Description-Content-Type: text/markdown" in metadata and f"# flashladder-{name}" in metadata
     assert "Root-Is-Purelib: false" in root_is_purelib  # installs into platlib: the wheel holds a binary
 
 
@@ -213,12 +226,28 @@ def third_party_imports(files) -> tuple[set[str], set[str]]:
     return plain - stdlib, guarded - stdlib
 
 
+def requirement_names() -> set[str]:
+    return {re.split(r"[<>=!~ \[;]", r, maxsplit=1)[0].lower() for r in requirement_lines()}
+
+
+# What the tests run rather than import: setuptools' PEP 517 hooks (in a subprocess, above) and the programs of the
+# nvidia-* wheels (cuobjdump and nvdisasm, which verify/tests/test_sass.py looks for).
+RUN_NOT_IMPORTED = {"setuptools", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"}
+
+
 def test_requirements_are_what_verify_imports():
     local = {"verify", "binding", "build_step", "flashladder"}
     plain, guarded = third_party_imports([*(ROOT / "verify").rglob("*.py"), ROOT / "common" / "binding.py"])
-    listed = {re.split(r"[<>=!~ \[;]", r, maxsplit=1)[0].lower() for r in requirement_lines()}
+    listed = requirement_names()
     assert plain - local <= listed, f"verify imports {sorted(plain - local - listed)}: add them to requirements-verify.txt"
-    assert listed <= plain | guarded, f"requirements-verify.txt lists {sorted(listed - plain - guarded)}, which nothing imports"
+    assert listed - RUN_NOT_IMPORTED <= plain | guarded, \
+        f"requirements-verify.txt lists {sorted(listed - RUN_NOT_IMPORTED - plain - guarded)}, which nothing imports"
+    assert RUN_NOT_IMPORTED <= listed, f"requirements-verify.txt lacks {sorted(RUN_NOT_IMPORTED - listed)}, which the tests run"
+
+
+def test_verify_checks_first_for_every_module_of_the_requirements():
+    from verify.__main__ import NEEDS
+    assert set(NEEDS) == requirement_names() - RUN_NOT_IMPORTED, "python -m verify's NEEDS and requirements-verify.txt disagree"
 
 
 # ---- the build cache -----------------------------------------------------------------------------------
@@ -270,6 +299,17 @@ def authored_files() -> list[Path]:
         paths = [p for p in ROOT.rglob("*") if not {".git", "build", ".nox", "__pycache__"} & set(p.parts)]
     return [p for p in paths if p.is_file() and (p.suffix in AUTHORED or p == ROOT / ".ci" / "run")
             and p.relative_to(ROOT).parts[0] != "results"]
+
+
+def test_build_outputs_are_ignored():
+    """What building, installing and the README's set-up leave in a checkout is not taken for a change."""
+    step = STEP_DIRS[0].relative_to(ROOT)
+    outputs = [f"{step}/dist/x.tar.gz", f"{step}/build/lib/x", f"{step}/flashladder_{step.name}.egg-info/PKG-INFO",
+               "dist/x.whl", "build/dev/x", ".venv/bin/python", ".nox/tests/bin/python"]
+    res = subprocess.run(["git", "check-ignore", "--no-index", *outputs], cwd=ROOT, capture_output=True, text=True)
+    if res.returncode == 128:
+        pytest.skip(f"not a git checkout: {res.stderr.strip()}")
+    assert sorted(res.stdout.split()) == sorted(outputs), f"not ignored: {sorted(set(outputs) - set(res.stdout.split()))}"
 
 
 def test_no_file_points_outside_the_repository():

@@ -1,9 +1,21 @@
 """CPU: what the README says is generated, and stays true."""
+import re
 from pathlib import Path
 
 from verify import report
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def section(text: str, title: str) -> str:
+    """The body of the README's `## title` section."""
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def commands(markdown: str) -> list[str]:
+    """The commands of the bash blocks in `markdown`, comments dropped, `a && b` split."""
+    blocks = re.findall(r"```bash\n(.*?)```", markdown, re.S)
+    return [c.strip() for b in blocks for line in b.splitlines() for c in line.split("#")[0].split("&&") if c.strip()]
 
 
 def test_readme_lists_every_step():
@@ -14,11 +26,33 @@ def test_readme_lists_every_step():
 
 def test_readme_commands_exist():
     text = (ROOT / "README.md").read_text()
-    for cmd in ("nox --no-venv -s verify", "nox -s tests", "python -m verify", "pip install steps/step"):
+    for cmd in ("nox -s verify", "nox -s tests", "python -m verify", "pip install steps/step"):
         assert cmd in text, f"README.md no longer shows `{cmd}`"
     noxfile = (ROOT / "noxfile.py").read_text()
     assert "def tests(" in noxfile and "def verify(" in noxfile
-    assert "nox -s tests" in (ROOT / ".ci" / "run").read_text(), ".ci/run must call the README's test command"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "nox -s tests" in ci, ".ci/run must call the README's test command"
+    assert "\nset -euo pipefail\n" in ci, ".ci/run must fail on any failure"
+
+
+def test_readme_set_up_works_on_a_fresh_machine_and_leads_to_the_commands():
+    """Only what a fresh Linux with Python has (git, python3 with venv and pip), then the next section runs nox."""
+    text = (ROOT / "README.md").read_text()
+    set_up = commands(section(text, "Set up"))
+    assert set_up and all(c.split()[0] in {"git", "cd", "python3", ".", "pip"} for c in set_up), set_up
+    assert "pip install nox" in set_up, set_up
+    after = text.split("\n## Set up\n", 1)[1].split("\n## ", 2)[1]
+    assert after.startswith("The main job and the tests\n"), "the set-up's next section must be the one with the commands"
+    assert {"nox -s verify", "nox -s tests"} <= set(commands(after)), commands(after)
+
+
+def test_readme_says_what_installing_a_step_brings():
+    """The build needs no torch, the install does: the README names each of a step's dependencies."""
+    deps = re.search(r"^dependencies = \[(.*)\]$", (ROOT / "steps" / "step01" / "pyproject.toml").read_text(), re.M)
+    use = section((ROOT / "README.md").read_text(), "Use a step")
+    for dep in re.findall(r'"([^"]+)"', deps.group(1)):
+        as_written = dep.replace(">=", " >= ")  # torch>=2.4 reads "torch >= 2.4"
+        assert as_written in use, f"the README's 'Use a step' does not say `{as_written}`"
 
 
 def test_verify_cli_runs_without_a_gpu():
