@@ -38,7 +38,7 @@
 //   the tile, because every thread of a row needs all BLOCK_N of them for P V): 64 KB in all, above
 //   the 48 KB default, so the launcher raises the block's dynamic shared-memory limit.
 //
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state): 2.3 TFLOP/s at every N, 0.0036x SDPA's cuDNN backend.
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state): 2.3 TFLOP/s at every N, 0.0036-0.0037x SDPA's cuDNN backend.
 //   It is meant to be slow: every multiply-add is a scalar FFMA fed from shared memory (Q and K rows
 //   read 4 lanes at a time, with bank conflicts), and the tensor cores (step02) sit idle.
 #include "flashladder.cuh"

@@ -31,8 +31,8 @@
 // PREDICTION: the matmuls were ~100% of step01's time; here they become cheap, and the tile loads,
 //   the barriers and the softmax (32 expf per thread per tile) dominate. Expect well over 10x step01,
 //   but far from FlashAttention-2 (~345 TFLOP/s): perhaps 100-150 TFLOP/s.
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   2.3 -> 53.1 / 53.6 / 53.8 TFLOP/s (23.48 / 23.69 / 23.78x step01).
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   2.3 / 2.3 / 2.3 -> 53.5 / 54.0 / 54.3 TFLOP/s (23.66 / 23.89 / 24.00x), 0.09 / 0.09 / 0.09x SDPA's cuDNN backend.
 //   Below the prediction: every ldmatrix here meets an 8-way bank conflict (the 8 rows it reads are
 //   256 bytes apart), so shared memory, not the tensor cores, sets the pace. step04 shows how much.
 #include "flashladder.cuh"

@@ -15,8 +15,8 @@
 //
 // PREDICTION: a modest gain (5-15%): the loads were a minority of step02's time, and with all copies
 //   of a tile in flight the load phase gets shorter; the softmax and bank conflicts are untouched.
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   53.1 / 53.6 / 53.8 -> 54.0 / 54.5 / 54.8 TFLOP/s (1.02x).
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   53.5 / 54.0 / 54.3 -> 54.4 / 54.9 / 55.2 TFLOP/s (1.02x at each N), 0.09 / 0.09 / 0.09x SDPA's cuDNN backend.
 //   Below the prediction, and for the same reason as step02's miss: the loads were never the
 //   bottleneck; the bank-conflicted ldmatrix reads are (step04).
 #include "flashladder.cuh"

@@ -15,9 +15,8 @@
 // PREDICTION: ldmatrix traffic is large here (x2 loads of K and V for every mma, 8 wavefronts each),
 //   so removing the conflicts should pay clearly: +20-40%. ncu's shared-memory bank-conflict counters
 //   should drop from millions to ~0 for the loads.
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   54.0 / 54.5 / 54.8 -> 218.6 / 227.5 / 232.1 TFLOP/s
-//   (4.05 / 4.17 / 4.24x), far above the prediction: the conflicts were THE bottleneck. ncu, 1 x 16 heads x 2K
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   54.4 / 54.9 / 55.2 -> 218.5 / 227.7 / 232.6 TFLOP/s (4.02 / 4.14 / 4.21x), 0.36 / 0.37 / 0.37x SDPA's cuDNN backend: far above the prediction, the conflicts were THE bottleneck. ncu, 1 x 16 heads x 2K
 //   (results/h200/2026-11-29T10-34-41Z-logs/ncu_banks.txt): shared-load wavefronts 134.7M -> 16.8M,
 //   of which bank conflicts 117.9M -> 0. The 8x more wavefronts were 7 conflicts per ldmatrix.
 #include "flashladder.cuh"

@@ -16,9 +16,8 @@
 //
 // PREDICTION: with 8 warps per block and ~1-2 blocks per SM there is little else to hide a tile load
 //   behind, so taking the loads off the critical path should pay well: +15-30%.
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   218.6 / 227.5 / 232.1 -> 246.6 / 250.6 / 253.2 TFLOP/s
-//   (1.13 / 1.10 / 1.09x), at the low end of the prediction: with one 8-warp block per SM (241
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   218.5 / 227.7 / 232.6 -> 246.6 / 251.1 / 253.0 TFLOP/s (1.13 / 1.10 / 1.09x), 0.40 / 0.40 / 0.40x SDPA's cuDNN backend: at the low end of the prediction. With one 8-warp block per SM (241
 //   registers) the warps still run in lock-step between barriers, and the tensor pipe idles while all of
 //   them do their softmax at once (ncu on the first draft of step06, which had this step's 8-warp
 //   block: 34% tensor-pipe utilization, 0.57 eligible warps per scheduler;

@@ -28,9 +28,9 @@
 // PREDICTION: ~1.2x step05. The first draft of this step (ldmatrix.x4 + exp2 + lazy sums, without the
 //   XOR addresses) ran at 301 / 310 TFLOP/s at N = 4K / 16K (results/h200/exploration/variants1.log@3c57885),
 //   and the XOR addresses gave nothing measurable on a 16-row-per-warp variant (results/h200/exploration/variants3.log@3c57885).
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   246.6 / 250.6 / 253.2 -> 309.6 / 316.4 / 319.6 TFLOP/s (1.26x at each N), 0.89 / 0.90 / 0.90x SDPA's
-//   FLASH backend (FlashAttention-2): as predicted. Fewer instructions per mma, the same 8 warps in lock-step.
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   246.6 / 251.1 / 253.0 -> 309.7 / 316.1 / 319.0 TFLOP/s (1.26x at each N), 0.50 / 0.51 / 0.51x SDPA's cuDNN backend; 0.89 / 0.90 / 0.91x SDPA's FLASH
+//   backend (FlashAttention-2): as predicted. Fewer instructions per mma, the same 8 warps in lock-step.
 #include "flashladder.cuh"
 #include "ptx.cuh"
 #include "swizzle.cuh"

@@ -22,9 +22,9 @@
 //   this step (results/h200/exploration/variants1.log@3c57885,
 //   results/h200/exploration/variants4.log@3c57885, NOTES.md), 16 rows per warp ran at
 //   301 / 310 TFLOP/s at N = 4K / 16K and this tiling, rolled and spill-free, at 359 / 360.
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   309.6 / 316.4 / 319.6 -> 351.7 / 360.1 / 362.2 TFLOP/s (1.14 / 1.14 / 1.13x step06), 1.01 / 1.03 / 1.02x
-//   SDPA's FLASH backend in the same run: FlashAttention-2's level, as predicted.
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   309.7 / 316.1 / 319.0 -> 350.3 / 360.2 / 359.4 TFLOP/s (1.13 / 1.14 / 1.13x), 0.57 / 0.58 / 0.57x SDPA's cuDNN backend;
+//   1.01 / 1.03 / 1.02x SDPA's FLASH backend in the same run: FlashAttention-2's level, as predicted.
 //
 // BEFORE THE SPLIT (results/h200/2026-11-29T10-34-41Z.json, H200, N = 4K / 8K / 16K): this kernel was
 //   step06 and ran at 358.8 / 363.5 / 368.5 TFLOP/s, 1.02 / 1.02 / 1.03x SDPA's FLASH backend.

@@ -35,11 +35,11 @@
 //   so +0-3%. It matters later: wgmma (step09) reads its operands straight from this swizzled layout, and a
 //   producer warp (step10) can keep the ring full alone because one thread issues every copy. Any seqlen:
 //   free at the lengths of record (one compare per tile; the mask runs only on a partial tile).
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   351.7 / 360.1 / 362.2 -> 378.4 / 381.9 / 382.6 TFLOP/s (1.08 / 1.06 / 1.06x), above the prediction.
-//   The instruction count alone does not explain it; not profiled yet. A likely part: the TMA copies take
-//   no issue slots and no registers from the computing warps at all, where cp.async's address math ran on
-//   a kernel already at the 255-register limit.
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   350.3 / 360.2 / 359.4 -> 376.3 / 379.9 / 385.3 TFLOP/s (1.07 / 1.05 / 1.07x), 0.61 / 0.61 / 0.61x SDPA's cuDNN backend: above the
+//   prediction. The instruction count alone does not explain it; not profiled. A likely part: the TMA copies
+//   take no issue slots and no registers from the computing warps at all, where cp.async's address math ran
+//   on a kernel already at the 255-register limit.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

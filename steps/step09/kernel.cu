@@ -25,10 +25,10 @@
 //   each warp, with ldmatrix traffic per mma); wgmma is the path that reaches the rest. Without any
 //   overlap yet (softmax and GEMMs in turn, in both warpgroups at once) expect ~1.2-1.3x step08, ~430-470
 //   TFLOP/s.
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   378.4 / 381.9 / 382.6 -> 524.6 / 541.3 / 548.1 TFLOP/s (1.39 / 1.42 / 1.43x step08; 1.49 / 1.50 / 1.51x
-//   step07: the target asked for a fifth more), 0.85 / 0.87 / 0.88x SDPA's cuDNN backend. Above the prediction: with
-//   the ldmatrix traffic gone, the two warpgroups' softmax and GEMMs already interleave somewhat.
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   376.3 / 379.9 / 385.3 -> 525.9 / 536.3 / 541.5 TFLOP/s (1.40 / 1.41 / 1.41x), 0.86 / 0.86 / 0.86x SDPA's cuDNN backend
+//   (1.50 / 1.49 / 1.51x step07: the target asked for a fifth more). Above the prediction: with the ldmatrix
+//   traffic gone, the two warpgroups' softmax and GEMMs already interleave somewhat.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

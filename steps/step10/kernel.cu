@@ -28,11 +28,11 @@
 // PREDICTION: +10-20% over step09: the producer takes the copies and the refill barrier off the consumers'
 //   path, and the two consumer warpgroups, no longer in lock-step, overlap one's softmax with the other's
 //   wgmma now and then (ping-pong, step11, makes that deliberate).
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   524.6 / 541.3 / 548.1 -> 555.1 / 569.5 / 575.5 TFLOP/s (1.06 / 1.05 / 1.05x), 0.89 / 0.92 / 0.92x SDPA's
-//   cuDNN backend (the target, 0.90x, is met at 8K and 16K, not quite at 4K). Below the prediction: the
-//   refill barrier was cheap, and two free-running consumers fall into step more often than not. The
-//   measured timeline (results/h200/timeline/step10.png) shows both consumers' softmaxes side by side.
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   525.9 / 536.3 / 541.5 -> 546.3 / 563.6 / 568.5 TFLOP/s (1.04 / 1.05 / 1.05x), 0.89 / 0.91 / 0.90x SDPA's cuDNN backend (the
+//   target, 0.90x, is met at 8K and 16K, not quite at 4K). Below the prediction: the refill barrier was cheap,
+//   and two free-running consumers fall into step more often than not. The measured timeline
+//   (results/h200/timeline/step10.png) shows both consumers' softmaxes side by side.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

@@ -30,10 +30,10 @@
 // PREDICTION: the tensor cores stay busy through each softmax as long as one softmax is shorter than the
 //   other consumer's block: +10-15% over step10 (FlashAttention-3's own ablation puts ping-pong at a
 //   similar share).
-// MEASURED (results/h200/2026-11-29T20-25-22Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   555.1 / 569.5 / 575.5 -> 603.4 / 618.0 / 626.8 TFLOP/s (1.09x at each N), 0.97 / 0.99 / 1.01x SDPA's
-//   cuDNN backend: just under the prediction. The timeline (results/h200/timeline/step11.png) shows the
-//   alternation, and the turn waits it costs.
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   546.3 / 563.6 / 568.5 -> 600.5 / 617.6 / 626.3 TFLOP/s (1.10x at each N), 0.98 / 0.99 / 1.00x SDPA's cuDNN backend: at
+//   the low end of the prediction. The timeline (results/h200/timeline/step11.png) shows the alternation,
+//   and the turn waits it costs.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

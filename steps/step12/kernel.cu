@@ -20,7 +20,10 @@
 // ON THE WAY (results/h200/variants-2026-12-01-s12.log, steady state, N = 4K / 16K, one run): against
 //   step11's 597.7 / 625.9 TFLOP/s, this step ran at 600.4 / 625.4; step13's overlap without it (the fence
 //   in, O rescaled every tile) at 588.8 / 617.3, below step11 -- the reason for this order.
-//MEASURED_PLACEHOLDER
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   600.5 / 617.6 / 626.3 -> 596.6 / 616.5 / 625.6 TFLOP/s (0.99 / 1.00 / 1.00x), 0.97 / 0.99 / 0.99x SDPA's cuDNN backend: no
+//   gain alone, as predicted (within the run-to-run spread; in the run above it came out 1.00x). It is kept for
+//   what it lets step13 do.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

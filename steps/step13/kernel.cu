@@ -33,7 +33,10 @@
 //   the likely cause is the unconditional O rescale, 64 FMUL per thread that then wait for the P V alone,
 //   where ptxas's order had mixed them with the exponentials. With the rescale rare (step12), the fenced
 //   overlap ran at 625.7 / 660.8.
-//MEASURED_PLACEHOLDER
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   596.6 / 616.5 / 625.6 -> 629.8 / 654.3 / 661.1 TFLOP/s (1.06x at each N), 1.03 / 1.05 / 1.05x SDPA's cuDNN backend, inside
+//   the prediction. The tensor cores work more of the time: in one traced CTA (results/h200/2026-12-01T09-46-07Z-logs/trace.log),
+//   a GEMM is in flight 57.8% of the run against step12's 23.2% (results/h200/timeline/step13.png).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

@@ -26,7 +26,13 @@
 //
 // PREDICTION: the start-up and tail per tile are small next to 32-128 K/V tiles of work at N = 4K-16K,
 //   so the gain is mostly at the short sequences: +2-5% at N = 1K-2K, +1-2% at 16K.
-//MEASURED_PLACEHOLDER
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   629.8 / 654.3 / 661.1 -> 664.3 / 674.1 / 676.7 TFLOP/s (1.05 / 1.03 / 1.02x), 1.08 / 1.08 / 1.08x SDPA's cuDNN backend;
+//   529.8 -> 608.8 at N = 1K (1.15x): above the prediction at short sequences, inside it at 16K. The 1.10x
+//   cuDNN target is not met; 0.97 / 0.98 / 0.99x the cuBLAS bf16 GEMM 8192^3 of the same run (685.3).
+// ON THE WAY (results/h200/variants-2026-12-01-s12.log, steady state, N = 4K / 16K): the restructure of
+//   steps 10-14 into named functions left the speed alone: 662.0 / 674.0 TFLOP/s beside the build before
+//   it (old14) at 664.6 / 671.1, in one run.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
