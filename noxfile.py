@@ -63,7 +63,7 @@ def verify(session):
 
 @nox.session
 def build(session):
-    """Compile every step (nvcc, sm_90a) and print its ptxas resource report."""
+    """Compile every step (nvcc, for each architecture of its targets) and print its ptxas resource report."""
     session.run("python", "common/build_step.py")
 
 

@@ -8,6 +8,8 @@ with every torch version (no `undefined symbol` after a torch upgrade).
 The call is a real torch op (torch.library.custom_op + register_fake): it works under
 torch.compile(fullgraph=True) and inside CUDA-graph capture; it launches on the current stream and never
 synchronizes. Bad input raises ValueError/TypeError/RuntimeError before any launch; a failed launch raises.
+A GPU the step's library holds no code for (flashladder_archs: SASS it runs as is, PTX the driver compiles for
+newer GPUs), or with less shared memory per block than the step asks for, is refused in one line before launch.
 Each check runs once per call: the Python wrapper checks only the argument types (the op's schema would
 turn True into 1.0), the op checks everything else, so torch.ops.flashladder.<step> called directly is
 checked the same way (its fake implementation too, so torch.compile reports bad input while tracing).
@@ -17,16 +19,17 @@ import functools
 import math
 import numbers
 import os
+import re
 import struct
 import sys
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 HEAD_DIM = 128
-ABI_VERSION = 2      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
+ABI_VERSION = 3      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
 MAX_GRID_YZ = 65535  # heads and batch are the grid's y and z dimensions
 MAX_ROW_STRIDE = 2**24  # in-tile offsets (row < 128) * row stride stay below 2^31
 ALIGN = {"q": 16, "k": 16, "v": 16, "o": 16, "lse": 4}  # bytes: 16-byte vector copies of rows; lse is per float
@@ -61,6 +64,11 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib.flashladder_fwd.argtypes = [ctypes.POINTER(FwdParams), ctypes.c_void_p]
     if lib.flashladder_abi_version() != ABI_VERSION:
         raise ImportError(f"{path} was built for ABI {lib.flashladder_abi_version()}, this binding speaks {ABI_VERSION}: rebuild it")
+    lib.flashladder_archs.restype = ctypes.c_char_p
+    lib.flashladder_loaded_code.restype = ctypes.c_int
+    lib.flashladder_loaded_code.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+    if hasattr(lib, "flashladder_smem_bytes"):
+        lib.flashladder_smem_bytes.restype = ctypes.c_int
     if lib.flashladder_params_size() != ctypes.sizeof(FwdParams):
         raise ImportError(f"{path}: sizeof(FwdParams) is {lib.flashladder_params_size()} in the library but "
                           f"{ctypes.sizeof(FwdParams)} in the binding's ctypes mirror: the two disagree, fix the mirror")
@@ -152,7 +160,7 @@ def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, d
         tensors.update(o=o, lse=lse)
     for name, t in tensors.items():
         if t.device.type not in devices:
-            raise ValueError(f"{where}: {name} is on {t.device}; flashladder runs on a CUDA device (an sm_90 GPU)")
+            raise ValueError(f"{where}: {name} is on {t.device}; flashladder runs on a CUDA device")
         if t.device != q.device:
             raise ValueError(f"{where}: all tensors must be on one device: q is on {q.device}, {name} on {t.device}")
 
@@ -165,10 +173,90 @@ def _span(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.data_ptr() + last * t.element_size()
 
 
+class Device(NamedTuple):
+    """What the checks before a launch need to know of a GPU."""
+    name: str
+    major: int
+    minor: int
+    smem_per_block_optin: int  # bytes of shared memory a block may ask for (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+
+    @property
+    def sm(self) -> str:
+        return f"sm_{self.major}{self.minor}"
+
+
+MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN in cuda.h
+
+
+def _smem_optin_from_the_driver(index: int) -> int:
+    """For a torch without shared_memory_per_block_optin: the driver's attribute, asked through libcuda (initialized
+    by torch by the time a launch is checked)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    device, value = ctypes.c_int(), ctypes.c_int()
+    if cuda.cuDeviceGet(ctypes.byref(device), index) or cuda.cuDeviceGetAttribute(
+            ctypes.byref(value), MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device):
+        raise RuntimeError(f"cannot read the shared memory per block of CUDA device {index} from the driver")
+    return value.value
+
+
 @functools.lru_cache(maxsize=None)
-def _device_arch(index: int) -> tuple:
+def _device_props(index: int) -> Device:
+    """The GPU `index` as the checks see it (tests replace this function to play other GPUs)."""
     props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.name
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    return Device(props.name, props.major, props.minor, int(optin) if optin else _smem_optin_from_the_driver(index))
+
+
+def _arch_version(code: str) -> tuple:
+    """'sm_86' -> (8, 6, ''), 'sm_90a' -> (9, 0, 'a'), 'sm_120' -> (12, 0, ''), 'compute_80' -> (8, 0, '')."""
+    m = re.fullmatch(r"(?:sm|compute)_(\d+)(\d)([af]?)", code)
+    if not m:
+        raise ValueError(f"not an architecture: {code!r}")
+    return int(m.group(1)), int(m.group(2)), m.group(3)
+
+
+def code_for(archs: list, major: int, minor: int) -> Optional[str]:
+    """Which of a library's codes the driver runs on a GPU of compute capability major.minor, or None.
+
+    SASS runs on GPUs of its major version and a minor one at least its own (sm_86 on 8.6, 8.7, 8.9), except an
+    architecture-specific one ('a': sm_90a), which runs on its own version alone; the driver takes the closest.
+    Failing that, PTX compute_XY is compiled by the driver for any GPU of version X.Y or later (the newest PTX
+    that is not newer than the GPU)."""
+    sass, ptx = [], []
+    for code in archs:
+        M, m, suffix = _arch_version(code)
+        if code.startswith("sm_") and M == major and (m == minor if suffix else m <= minor):
+            sass.append(((m, suffix != ""), code))  # the closest minor; on a tie, the specific code ('a')
+        elif code.startswith("compute_") and ((M, m) == (major, minor) if suffix else (M, m) <= (major, minor)):
+            ptx.append(((M, m), code))
+    if sass:
+        return max(sass)[1]
+    return max(ptx)[1] if ptx else None
+
+
+def runs_on(archs: list) -> str:
+    """The GPUs a library with code for `archs` runs on, in words, naming the codes."""
+    sass = [a for a in archs if a.startswith("sm_")]
+    ptx = [a for a in archs if a.startswith("compute_")]
+    if ptx:
+        M, m, _ = min(_arch_version(a) for a in ptx)
+        return (f"a GPU of compute capability {M}.{m} or later (built for {', '.join(sass)}, "
+                f"and {', '.join(ptx)} PTX that the driver compiles for the others)")
+    if len(sass) == 1:
+        M, m, _ = _arch_version(sass[0])
+        known = {"sm_90a": "H100/H200; "}.get(sass[0], "")
+        return f"an sm_{M}{m} GPU ({known}built for {sass[0]} alone)"
+    return f"a GPU that one of {', '.join(sass)} runs on (built for those alone)"
+
+
+def check_device(step: str, archs: list, smem_bytes: Optional[int], device: Device, where: str) -> None:
+    """Refuse, in one line, a GPU that the library has no code for or too little shared memory per block on."""
+    if code_for(archs, device.major, device.minor) is None:
+        raise RuntimeError(f"flashladder.{step}: needs {runs_on(archs)}, but {where} is {device.name} ({device.sm})")
+    if smem_bytes is not None and smem_bytes > device.smem_per_block_optin:
+        raise RuntimeError(f"flashladder.{step}: a block needs {smem_bytes} bytes ({smem_bytes / 1024:g} KB) of shared memory, "
+                           f"but {where} ({device.name}, {device.sm}) offers {device.smem_per_block_optin} bytes "
+                           f"({device.smem_per_block_optin / 1024:g} KB) per block")
 
 
 def check_outputs_apart(step: str, tensors: dict) -> None:
@@ -181,13 +269,11 @@ def check_outputs_apart(step: str, tensors: dict) -> None:
                 raise ValueError(f"flashladder.{step}: {out} overlaps {name} in memory; outputs need buffers of their own")
 
 
-def check_launch(step: str, tensors: dict) -> None:
-    """What only real tensors on a real GPU can tell: the architecture and the pointers' alignment."""
+def check_launch(step: str, tensors: dict, archs: list, smem_bytes: Optional[int]) -> None:
+    """What only real tensors on a real GPU can tell: the GPU (check_device) and the pointers' alignment."""
     q = tensors["q"]
-    (major, minor), name = _device_arch(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if (major, minor) != (9, 0):
-        raise RuntimeError(f"flashladder.{step}: needs an sm_90 GPU (H100/H200; the kernels are built for sm_90a), "
-                           f"but {q.device} is {name} (sm_{major}{minor})")
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    check_device(step, archs, smem_bytes, _device_props(index), f"cuda:{index}")
     for tname, t in tensors.items():
         if t.data_ptr() % ALIGN[tname] != 0:
             raise ValueError(f"flashladder.{step}: {tname}'s data pointer is not {ALIGN[tname]}-byte aligned "
@@ -226,9 +312,12 @@ def bind_step(module_name: str):
     seqlen_multiple = (lib.flashladder_seqlen_multiple_q(), lib.flashladder_seqlen_multiple_k())  # (q, k/v)
     # The work tiles (q, k/v): exported by a step that takes any seqlen, else the multiples (common/flashladder.cuh).
     tile = ((lib.flashladder_tile_q(), lib.flashladder_tile_k()) if hasattr(lib, "flashladder_tile_q") else seqlen_multiple)
+    archs = lib.flashladder_archs().decode().split(",")  # e.g. sm_80,...,sm_120,compute_80 (common/build_step.py)
+    # Dynamic shared memory per block, exported by the steps that run on GPUs with less of it than Hopper's 227 KB.
+    smem_bytes = lib.flashladder_smem_bytes() if hasattr(lib, "flashladder_smem_bytes") else None
     # Said at import, so that it comes before torch's own error at the first CUDA call (e.g. torch.randn(device="cuda")).
     if why := no_cuda_reason():  # stacklevel 3: the line that imports the step (pkg/__init__.py calls this)
-        warnings.warn(f"flashladder.{step}: {why}; the kernel runs on an sm_90 GPU (H100/H200) with a CUDA build of torch",
+        warnings.warn(f"flashladder.{step}: {why}; the kernel runs on {runs_on(archs)} with a CUDA build of torch",
                       stacklevel=3)
 
     def launch(q, k, v, o, lse, scale: float) -> None:
@@ -240,7 +329,7 @@ def bind_step(module_name: str):
             o.zero_()
             lse.fill_(-math.inf)
             return
-        check_launch(step, tensors)
+        check_launch(step, tensors, archs, smem_bytes)
         params = make_params(q, k, v, o, lse, scale)
         with torch.cuda.device(q.device):
             stream = torch.cuda.current_stream(q.device).cuda_stream
@@ -280,7 +369,8 @@ def bind_step(module_name: str):
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None):
         """O = softmax(q k^T * scale) v and LSE = logsumexp(q k^T * scale) (natural log).
 
-        q: bf16 [batch, heads, seqlen_q, 128]; k, v: bf16 [batch, heads, seqlen_k, 128], on one sm_90 GPU.
+        q: bf16 [batch, heads, seqlen_q, 128]; k, v: bf16 [batch, heads, seqlen_k, 128], on one GPU that the step
+        runs on (info["archs"]).
         Returns (o: bf16 [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]).
         scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
         Empty inputs (batch, heads or seqlen_q of 0) give empty outputs without a launch; with seqlen_k = 0
@@ -294,7 +384,7 @@ def bind_step(module_name: str):
 
     attention.__module__ = attention_out.__module__ = module_name
     info = {"step": step, "seqlen_multiple_q": seqlen_multiple[0], "seqlen_multiple_k": seqlen_multiple[1],
-            "tile_q": tile[0], "tile_k": tile[1],
+            "tile_q": tile[0], "tile_k": tile[1], "archs": archs, "runs_on": runs_on(archs), "smem_bytes": smem_bytes,
             "library": lib._name,
             "ptxas_report": (Path(lib._name).parent / "_ptxas.txt").read_text()
             if (Path(lib._name).parent / "_ptxas.txt").exists() else ""}

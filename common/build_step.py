@@ -13,9 +13,14 @@ Pure standard library: no torch, no numpy. A built step package is a directory
     flashladder/stepNN/
         __init__.py   the step's tiny binding (steps/stepNN/pkg/__init__.py)
         _binding.py   the shared Python binding (common/binding.py)
-        _kernel.so    kernel.cu compiled for sm_90a, plain C ABI (common/flashladder.cuh)
-        _ptxas.txt    the `ptxas -v` resource report: registers, shared memory, spills
+        _kernel.so    kernel.cu compiled for the step's targets (TARGETS below), plain C ABI (common/flashladder.cuh)
+        _ptxas.txt    the `ptxas -v` resource report, one block per architecture: registers, shared memory, spills
         LICENSE       the repository's license (MIT)
+
+Which GPUs a step's library runs on is said once, in TARGETS: its kernel.cu names a row of it in one line,
+`FLASHLADDER_TARGETS(<name>);` (none: sm90a_only), and the build makes of that row nvcc's -gencode flags and the
+list the library exports (flashladder_archs(), checked by the binding against the GPU); the line compiles to
+a static_assert that the build read it, so a declaration the build missed fails the compile.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 COMMON = Path(__file__).resolve().parent
@@ -34,14 +40,95 @@ ROOT = COMMON.parent  # the repository; in a step's unpacked sdist, the sdist's 
 STEPS = ROOT / "steps"
 LICENSE = ROOT / "LICENSE"
 
-ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]  # exactly the target: wgmma/setmaxnreg need "a"
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Where a build's code runs: machine code (SASS) compiled ahead for some GPUs, and PTX that the driver
+    compiles at load for any GPU of its compute capability or later that has no SASS of its own here.
+
+    `gencode` is nvcc's: (virtual architecture, the codes made from it), e.g. ("compute_80", ("sm_80", "compute_80")):
+    SASS for sm_80 compiled from compute_80 PTX, and that PTX itself, embedded."""
+    name: str
+    gencode: tuple[tuple[str, tuple[str, ...]], ...]
+    jit_only: bool = False  # ptx_only()'s variant of the row `name`
+
+    def flags(self) -> list[str]:
+        return [f"-gencode=arch={virtual},code=[{','.join(codes)}]" for virtual, codes in self.gencode]
+
+    def sass(self) -> list[str]:
+        """The architectures with SASS in the library, in order of compute capability: ["sm_80", ..., "sm_120"]."""
+        return sorted((c for _, codes in self.gencode for c in codes if c.startswith("sm_")), key=arch_number)
+
+    def ptx(self) -> list[str]:
+        """The PTX embedded for the driver to compile: ["compute_80"]."""
+        return sorted((c for _, codes in self.gencode for c in codes if c.startswith("compute_")), key=arch_number)
+
+    def archs(self) -> list[str]:
+        """What the library exports (flashladder_archs): its SASS, then its PTX."""
+        return [*self.sass(), *self.ptx()]
+
+    def ptx_source(self, code: str) -> str:
+        """The virtual architecture `code` (an entry of archs()) was compiled from: "compute_80" for sm_86 here."""
+        return next(virtual for virtual, codes in self.gencode if code in codes)
+
+    def ptx_only(self) -> "Targets":
+        """The same build without any SASS: the driver must compile the PTX at load, on every GPU (the PTX-JIT
+        check: python -m verify --ptx-jit). Refused for targets that embed no PTX."""
+        if not self.ptx():
+            raise ValueError(f"targets {self.name} ({', '.join(self.archs())}) embed no PTX: there is nothing to JIT-compile")
+        ptx = tuple((virtual, tuple(c for c in codes if c.startswith("compute_"))) for virtual, codes in self.gencode)
+        return Targets(self.name, tuple((virtual, codes) for virtual, codes in ptx if codes), jit_only=True)
+
+
+def arch_number(code: str) -> int:
+    """'sm_90a' -> 90, 'compute_80' -> 80, 'sm_120' -> 120."""
+    return int(re.fullmatch(r"(?:sm|compute)_(\d+)[af]?", code).group(1))
+
+
+# The one source of truth for where a step runs. A kernel.cu names its row with FLASHLADDER_TARGETS(<name>);.
+TARGETS = {t.name: t for t in (
+    # wgmma, TMA, setmaxnreg: instructions of sm_90a, the "a" (architecture-specific) target, whose SASS runs on
+    # sm_90 GPUs (H100, H200) alone; no PTX, since no other GPU could run it. Steps 08-14, and the default.
+    Targets("sm90a_only", (("compute_90a", ("sm_90a",)),)),
+    # mma.sync, ldmatrix, cp.async: PTX of sm_80, which every GPU since Ampere runs. One compute_80 PTX is compiled
+    # ahead into the SASS of A100 (sm_80), RTX 30xx (sm_86), RTX 40xx / L4 / L40 (sm_89), RTX 50xx (sm_120), and
+    # embedded for the driver to compile on any other GPU (sm_87, sm_100, ...); sm_90a keeps its own SASS, compiled
+    # from compute_90a exactly as in sm90a_only. (sm_120 from compute_120 PTX instead spills in step07: ptxas runs
+    # out of registers by a few; from compute_80 it does not.) Steps 01-07.
+    Targets("sm80_and_later", (("compute_80", ("sm_80", "sm_86", "sm_89", "sm_120", "compute_80")),
+                               ("compute_90a", ("sm_90a",)))),
+)}
+DEFAULT_TARGETS = "sm90a_only"
+ARCH_FLAGS = TARGETS[DEFAULT_TARGETS].flags()  # for the tests' small probe kernels: sm_90a, as the Hopper steps
 NVCC_FLAGS = [
-    "-O3", "-std=c++17", *ARCH_FLAGS, "-lineinfo",
+    "-O3", "-std=c++17", "-lineinfo",
     "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden",  # a plain shared library; exports are marked
     "-Xptxas", "-v",                                         # the resource report, kept as _ptxas.txt
     "-Xptxas", "-warn-spills",
+    "--threads", "0",  # one architecture's cicc/ptxas beside the next (as many at once as there are CPUs)
 ]
 MIN_NVCC = (12, 8)
+DECLARATION = re.compile(r"^[ \t]*FLASHLADDER_TARGETS\([ \t]*(\w*)[ \t]*\)[ \t]*;", re.M)
+
+
+def targets_of(step_dir: Path) -> Targets:
+    """The row of TARGETS that the step's kernel.cu names (FLASHLADDER_TARGETS(<name>);), else the default."""
+    kernel = Path(step_dir) / "kernel.cu"
+    names = DECLARATION.findall(kernel.read_text())
+    if len(names) > 1:
+        raise RuntimeError(f"{kernel}: FLASHLADDER_TARGETS(...) appears {len(names)} times; name the targets once")
+    name = names[0] if names else DEFAULT_TARGETS
+    if name not in TARGETS:
+        raise RuntimeError(f"{kernel}: FLASHLADDER_TARGETS({name}) names no targets; common/build_step.py's TARGETS "
+                           f"has {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+def target_flags(targets: Targets) -> list[str]:
+    """nvcc's flags for `targets`: the -gencode list, and what flashladder.cuh turns into the library's exports."""
+    return [*targets.flags(), f'-DFLASHLADDER_ARCHS="{",".join(targets.archs())}"',
+            f'-DFLASHLADDER_TARGETS_BUILT="{targets.name}"']
 
 
 def find_steps(root: Path = ROOT) -> list[Path]:
@@ -98,11 +185,13 @@ def _fingerprint(step_dir: Path, nvcc: str, flags: list[str]) -> str:
     return h.hexdigest()
 
 
-def compile_step(step_dir: Path, pkg_out: Path, force: bool = False, extra_nvcc_flags: tuple[str, ...] = ()) -> bool:
-    """Build the step package into `pkg_out` (a folder named after the step).
+def compile_step(step_dir: Path, pkg_out: Path, force: bool = False, extra_nvcc_flags: tuple[str, ...] = (),
+                 ptx_only: bool = False) -> bool:
+    """Build the step package into `pkg_out` (a folder named after the step), for the step's targets (targets_of).
 
     `extra_nvcc_flags` go after NVCC_FLAGS (e.g. ("-DFLASHLADDER_TRACE",) for verify.trace's build); they are
     part of the fingerprint, so a build with other flags into the same folder is never taken for current.
+    `ptx_only` builds the targets' PTX alone (Targets.ptx_only: no SASS, the driver compiles it at load).
     Skips nvcc when nothing that goes into the build (sources, flags, nvcc's path and version) changed since
     the last build into pkg_out. Returns True if nvcc ran, False if the build there was current (cached).
     Raises RuntimeError with nvcc's output if the compile fails.
@@ -110,10 +199,16 @@ def compile_step(step_dir: Path, pkg_out: Path, force: bool = False, extra_nvcc_
     step_dir, pkg_out = Path(step_dir).resolve(), Path(pkg_out)
     if isinstance(extra_nvcc_flags, str):  # ("-DX") is a string, not a tuple: refuse it rather than split it
         raise TypeError(f"extra_nvcc_flags must be a sequence of flags, got the string {extra_nvcc_flags!r}")
-    flags = [*NVCC_FLAGS, *extra_nvcc_flags]
+    targets = targets_of(step_dir)
+    if ptx_only:
+        try:
+            targets = targets.ptx_only()
+        except ValueError as e:
+            raise RuntimeError(f"{step_dir.name}: {e}") from None
+    flags = [*NVCC_FLAGS, *target_flags(targets), *extra_nvcc_flags]
     nvcc = find_nvcc()
     if nvcc_version(nvcc) < MIN_NVCC:
-        raise RuntimeError(f"{nvcc} is CUDA {nvcc_version(nvcc)}; flashladder needs nvcc >= 12.8 for sm_90a")
+        raise RuntimeError(f"{nvcc} is CUDA {nvcc_version(nvcc)}; flashladder needs nvcc >= 12.8 for sm_90a and sm_120")
     pkg_out.mkdir(parents=True, exist_ok=True)
     so, report, stamp = pkg_out / "_kernel.so", pkg_out / "_ptxas.txt", pkg_out / ".fingerprint"
     fp = _fingerprint(step_dir, nvcc, flags)
@@ -127,19 +222,61 @@ def compile_step(step_dir: Path, pkg_out: Path, force: bool = False, extra_nvcc_
     if proc.returncode != 0:
         with_flags = f" (with {' '.join(extra_nvcc_flags)})" if extra_nvcc_flags else ""
         raise RuntimeError(f"nvcc failed for {step_dir.name}{with_flags}:\n$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
-    report.write_text(proc.stdout + proc.stderr)
+    report.write_text(ptxas_report(proc.stdout + proc.stderr, targets))
     stamp.write_text(fp)
     return True
 
 
+_ENTRY = re.compile(r"Compiling entry function '?([\w$]+)'? for '(\w+)'")
+_FUNCTION = re.compile(r"Function properties for '?([\w$]+)'?")
+_BLOCK_START = re.compile(r"^ptxas warning|^ptxas info\s*: \d+ bytes gmem")  # the first line of a ptxas run
+
+
+def ptxas_report(output: str, targets: Targets) -> str:
+    """nvcc's output, `ptxas -v`'s lines grouped by architecture (ptxas runs once per SASS architecture, side by
+    side under --threads, each run naming its architecture on its 'Compiling entry function' lines), in the
+    order of targets.sass(), each under a `== sm_XX ==` line; what is not ptxas's (host compiler warnings)
+    first. A run's warnings come before its first info line, so a warning goes with the run that follows it."""
+    other: list[str] = []
+    blocks: dict[str, list[str]] = {}
+    pending: list[str] = []  # lines of a run whose architecture is not known yet
+    current = last = None
+    for line in output.splitlines():
+        if not line.startswith("ptxas") and not (line.startswith(" ") and (current is not None or pending)):
+            other.append(line)
+            continue
+        if _BLOCK_START.search(line):
+            current = None
+        if current is None and (m := _ENTRY.search(line)):
+            current = last = blocks.setdefault(m.group(2), [])
+            current.extend(pending)
+            pending = []
+        (pending if current is None else current).append(line)
+    if last is not None:  # lines after the last run (a warning ptxas printed at its end): that run's
+        last.extend(pending)
+        pending = []
+    order = sorted(blocks, key=lambda a: (targets.sass().index(a) if a in targets.sass() else len(blocks), a))
+    head = [f"# ptxas -v for {', '.join(order) or 'no SASS architecture'}"
+            + (f"; embedded PTX, compiled by the driver at load: {', '.join(targets.ptx())}" if targets.ptx() else "")]
+    body = [line for arch in order for line in (f"== {arch} ==", *blocks[arch])]
+    return "\n".join([*head, *other, *pending, *body]) + "\n"
+
+
 def parse_ptxas(text: str) -> dict:
-    """The kernels' resources from a `ptxas -v` report: {kernel: {registers, spill_stores, ...}}."""
-    kernels: dict[str, dict] = {}
-    current = None
+    """The kernels' resources from a `ptxas -v` report, per architecture:
+    {arch: {kernel: {registers, spill_stores, spill_loads, stack_frame, static_smem}}}. Warning lines are not read:
+    the counts come from each function's own lines (a spill warning precedes the run it belongs to)."""
+    archs: dict[str, dict[str, dict]] = {}
+    current, arch = None, None
     for line in text.splitlines():
-        m = re.search(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?", line)
-        if m:
-            current = kernels.setdefault(m.group(1), {})
+        if line.startswith("ptxas warning"):
+            continue
+        if m := _ENTRY.search(line):
+            arch = m.group(2)
+            current = archs.setdefault(arch, {}).setdefault(m.group(1), {})
+            continue
+        if (m := _FUNCTION.search(line)) and arch is not None:
+            current = archs[arch].setdefault(m.group(1), {})
             continue
         if current is None:
             continue
@@ -149,7 +286,7 @@ def parse_ptxas(text: str) -> dict:
             mm = re.search(pat, line)
             if mm:
                 current[key] = int(mm.group(1))
-    return {_demangle(name): info for name, info in kernels.items() if info}
+    return {a: {_demangle(name): info for name, info in kernels.items() if info} for a, kernels in archs.items()}
 
 
 def _demangle(name: str) -> str:
@@ -217,4 +354,5 @@ if __name__ == "__main__":  # python common/build_step.py [out_dir]: build every
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "build" / "dev" / "flashladder"
     for step in find_steps():
         built = compile_step(step, out / step_name(step))
-        print(step.name, "built" if built else "cached", parse_ptxas((out / step_name(step) / "_ptxas.txt").read_text()))
+        print(step.name, "built" if built else "cached", f"for {', '.join(targets_of(step).archs())}:",
+              parse_ptxas((out / step_name(step) / "_ptxas.txt").read_text()))

@@ -16,7 +16,29 @@
 #define FLASHLADDER_EXPORT extern "C" __attribute__((visibility("default")))
 
 // Bumped when FwdParams or the exported functions change; the binding refuses a mismatched .so.
-#define FLASHLADDER_ABI_VERSION 2
+// (3: flashladder_archs and flashladder_loaded_code; flashladder_smem_bytes in the steps that run beyond Hopper.)
+#define FLASHLADDER_ABI_VERSION 3
+
+// ---- which GPUs the library runs on: said by the build (common/build_step.py, TARGETS) ----
+// FLASHLADDER_ARCHS: what the library holds, its SASS then its PTX, e.g. "sm_80,sm_86,sm_89,sm_90a,sm_120,compute_80"
+// (exported by flashladder_archs below; the binding refuses a GPU that none of them runs on). FLASHLADDER_TARGETS_BUILT:
+// the row of TARGETS the build used, e.g. "sm80_and_later".
+#if !defined(FLASHLADDER_ARCHS) || !defined(FLASHLADDER_TARGETS_BUILT)
+#error "build the steps with common/build_step.py (pip install steps/<step>, python -m verify): it defines FLASHLADDER_ARCHS and FLASHLADDER_TARGETS_BUILT from its TARGETS"
+#endif
+
+constexpr bool flashladder_same_string(const char* a, const char* b) {
+    return *a == *b && (*a == '\0' || flashladder_same_string(a + 1, b + 1));
+}
+
+// A kernel.cu that runs beyond Hopper names its row of build_step.py's TARGETS in one line at file scope, e.g.
+//     FLASHLADDER_TARGETS(sm80_and_later);
+// (a kernel.cu that names none is built for sm90a_only). The build reads that line for its -gencode flags; the line
+// itself checks, at compile time, that the build read it (a declaration the build missed fails here).
+#define FLASHLADDER_TARGETS(name)                                                                             \
+    static_assert(flashladder_same_string(FLASHLADDER_TARGETS_BUILT, #name),                                \
+                  "kernel.cu names the targets " #name ", but the build compiled it for " FLASHLADDER_TARGETS_BUILT \
+                  ": build it with common/build_step.py, which reads the FLASHLADDER_TARGETS line")
 
 constexpr int HEAD_DIM = 128;  // the ladder's one head size (docs/ladder.md: fixed scope)
 constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) = 2^(x * LOG2E), so a softmax can use ex2
@@ -47,7 +69,9 @@ __device__ __forceinline__ T* row_ptr(T* base, const int64_t stride[3], int batc
 
 // ---- exported alongside each step's own flashladder_fwd, flashladder_seqlen_multiple_q/_k ----
 // (A step whose seqlen multiples are 1 -- it takes any length -- also exports flashladder_tile_q/_k, its work
-// tiles: the tests size their cases in tiles. For the other steps the tiles are the multiples.)
+// tiles: the tests size their cases in tiles. For the other steps the tiles are the multiples. A step that runs
+// on GPUs with less shared memory per block than Hopper's 227 KB exports flashladder_smem_bytes, the dynamic
+// shared memory a block of it asks for: the binding compares it with the GPU's before a launch.)
 // (each step's .so is built from exactly one translation unit, its kernel.cu, so these are defined once)
 FLASHLADDER_EXPORT int flashladder_abi_version() { return FLASHLADDER_ABI_VERSION; }
 // The binding compares this with ctypes.sizeof of its mirror of FwdParams when it loads the library.
@@ -55,20 +79,43 @@ FLASHLADDER_EXPORT int flashladder_params_size() { return static_cast<int>(sizeo
 FLASHLADDER_EXPORT const char* flashladder_error_string(int err) {
     return cudaGetErrorString(static_cast<cudaError_t>(err));
 }
+// The architectures the library holds code for (FLASHLADDER_ARCHS above), comma-separated.
+FLASHLADDER_EXPORT const char* flashladder_archs() { return FLASHLADDER_ARCHS; }
+
+constexpr int FLASHLADDER_MAX_DEVICES = 64;
+// Which code the driver loaded for the step's kernel on each device, from its first launch there on:
+// cudaFuncAttributes' ptxVersion (the PTX the code came from) and binaryVersion (the SASS it runs), as
+// 10 * major + minor: on an H200, 90 and 90 for the sm_90a SASS, 80 and 90 for compute_80 PTX that the driver compiled.
+inline int flashladder_loaded[FLASHLADDER_MAX_DEVICES][2] = {};
+// 0 and the two versions of `device`, once the kernel ran there; a cudaError (cudaErrorNotReady before that).
+FLASHLADDER_EXPORT int flashladder_loaded_code(int device, int* ptx_version, int* binary_version) {
+    if (device < 0 || device >= FLASHLADDER_MAX_DEVICES) return cudaErrorInvalidDevice;
+    if (flashladder_loaded[device][1] == 0) return cudaErrorNotReady;
+    *ptx_version = flashladder_loaded[device][0];
+    *binary_version = flashladder_loaded[device][1];
+    return cudaSuccess;
+}
 
 // Ask for more than 48 KB of dynamic shared memory for `kernel`, once per device and process: the limit
 // is an attribute of the function on one device, and setting it on every launch is a wasted driver call.
+// Then note which code the driver loaded for it there (flashladder_loaded_code).
 // (A template on the kernel: one flag per kernel and device; a race between two threads sets it twice,
 // which is harmless.)
 template <auto kernel>
 inline cudaError_t raise_smem_limit_once(int bytes) {
-    constexpr int MAX_DEVICES = 64;
-    static bool done[MAX_DEVICES] = {};
+    static bool done[FLASHLADDER_MAX_DEVICES] = {};
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
-    if (device < MAX_DEVICES && done[device]) return cudaSuccess;
+    if (device < FLASHLADDER_MAX_DEVICES && done[device]) return cudaSuccess;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err == cudaSuccess && device < MAX_DEVICES) done[device] = true;
+    if (err != cudaSuccess) return err;
+    cudaFuncAttributes attributes;
+    err = cudaFuncGetAttributes(&attributes, kernel);
+    if (err == cudaSuccess && device < FLASHLADDER_MAX_DEVICES) {
+        flashladder_loaded[device][0] = attributes.ptxVersion;
+        flashladder_loaded[device][1] = attributes.binaryVersion;
+        done[device] = true;
+    }
     return err;
 }

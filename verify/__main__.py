@@ -5,11 +5,14 @@
     python -m verify --no-bench            # build + checks only
     python -m verify --no-checks           # build + benchmark only
     python -m verify --out DIR             # also write the log, the checks' junit XML and the results to DIR
+    python -m verify --ptx-jit             # checks of steps 01-07 built as their PTX alone, compiled by the driver
 
 Runs without nox (the GPU machine has no network). What it lacks here (torch, the other requirements, a GPU)
 it says first, in one line, before building anything. The checks of each step run in a process of their own
 with a time limit (--check-timeout): a kernel that hangs (a wrong mbarrier phase never completes) fails its
 step, the process is killed, and the run goes on with the next step; a step that failed is not benchmarked.
+A step that the GPU here cannot run (steps 08-14 need an sm_90 GPU; steps 01-07 run on any GPU since sm_80) is
+said so, in one line, and neither checked nor benchmarked.
 Writes results/<gpu>/<timestamp>.json and .png, regenerates the README table after a full run, and prints a
 short table last.
 """
@@ -33,6 +36,9 @@ from verify import steps as steps_mod
 
 ROOT = steps_mod.ROOT
 TESTS = ROOT / "verify" / "tests"
+# The step-free tests build every step for every target it has and run beside the steps' checks: on a GPU
+# machine busy with those they took over 300 s (2026-12-01), so they get this many times a step's limit.
+OTHERS_TIMEOUT_FACTOR = 3
 PROG = "python -m verify"
 # What this process and its check processes import (requirements-verify.txt installs them; test_packaging keeps the two agreed).
 NEEDS = ("torch", "numpy", "matplotlib", "pytest", "hypothesis")
@@ -172,6 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--check-jobs", type=int, default=4, metavar="N",
                     help="check N steps side by side, each in its own process (default: %(default)s; 1 streams the output)")
     ap.add_argument("--tests", type=Path, default=TESTS, help="the tests to run as checks (default: verify/tests)")
+    ap.add_argument("--ptx-jit", action="store_true",
+                    help="build each step as its portable PTX alone (no SASS; steps with PTX only, by default all of them) "
+                         "into build/ptx-jit, so that the driver compiles it at load, and check that code: on an H100/H200, "
+                         "the code path of a GPU with no SASS of its own in the library. Checks only: no benchmark, and "
+                         "the step-free tests are not run")
     ap.add_argument("--out", type=Path, metavar="DIR",
                     help="also write verify.log, the checks' junit XML (checks/) and a copy of the results JSON/PNG here")
     from verify.bench import add_timing_args  # --warmup, --window, ...: defined beside the timer they set
@@ -192,6 +203,14 @@ def main(argv=None) -> int:
         ap.error(f"argument --tests: {args.tests} does not exist")
     if args.report and not Path(args.report).is_file():
         ap.error(f"argument --report: {args.report} is not a file")
+    if args.ptx_jit:
+        args.no_bench = True  # the checks of that code; the benchmark times the steps as they are installed
+        args.steps = args.steps or steps_mod.portable_steps()
+        if without := [s for s in args.steps if s not in steps_mod.portable_steps(args.steps)]:
+            ap.error(f"argument --ptx-jit: {', '.join(without)} embed(s) no PTX (built for sm_90a alone); the steps with "
+                     f"PTX are {steps_mod.numbers_in_words(steps_mod.portable_steps())}")
+        os.environ[steps_mod.PTX_JIT] = "1"  # for this process's build and, inherited, for each check process
+        steps_mod.DEV = steps_mod.dev_dir()
 
     from verify import report
     if args.report:
@@ -232,7 +251,7 @@ def run(args) -> int:
     if not args.no_checks and (why := steps_mod.no_gpu_reason()):  # (main() refused a benchmark without a GPU)
         log(f"{PROG}: {why}: the checks that need a GPU are skipped")
     stage = stage_labels(args)
-    log(f"{stage['build']} building {len(steps)} step(s) with nvcc (sm_90a): {', '.join(steps)}")
+    log(f"{stage['build']} building {len(steps)} step(s) with nvcc: {targets_in_words(steps)}")
     try:
         ptxas = steps_mod.build(steps, jobs=args.jobs, log=lambda m: log(m))
     except RuntimeError as e:  # nvcc's own message says what is wrong
@@ -240,20 +259,33 @@ def run(args) -> int:
         log(f"{PROG}: error: a step did not build (nvcc's output above)")
         return 1
     for s in steps:
-        for kernel, res in ptxas[s].items():
-            log(f"  {s} {kernel}: {res.get('registers')} registers, {res.get('spill_stores', 0)}+{res.get('spill_loads', 0)} "
-                f"spill bytes, {res.get('stack_frame', 0)} B stack")
+        for line in resources_in_words(s, ptxas[s]):
+            log(f"  {line}")
 
     checks, others = {s: "not run" for s in steps}, "not run"
-    if not args.no_checks:
+    skipped = {}  # steps that this GPU cannot run: neither checked nor benchmarked
+    if steps_mod.no_gpu_reason() is None:
+        from binding import _device_props  # common/binding.py (on sys.path through verify.steps)
+        device = _device_props(0)
+        skipped = steps_mod.unrunnable(steps, device)
+        for s, why in skipped.items():
+            log(f"  {s}: not run on this GPU ({device.name}, {device.sm}): {why}")
+            checks[s] = f"not run ({device.sm})"
+    runnable = [s for s in steps if s not in skipped]
+    if not args.no_checks and not runnable:
+        log(f"{PROG}: no selected step runs on this GPU")
+    elif not args.no_checks:
         shown = tests.relative_to(ROOT) if tests.is_relative_to(ROOT) else tests
         from verify.checks import run_seed  # one seed for every step's process: the float64 references are shared
-        log(f"{stage['checks']} checking {len(steps)} step(s) ({shown}), each in a process of its own, "
+        jit = " (their PTX alone, compiled by the driver at load: FLASHLADDER_PTX_JIT=1)" if steps_mod.ptx_jit() else ""
+        log(f"{stage['checks']} checking {len(runnable)} step(s){jit} ({shown}), each in a process of its own, "
             f"{args.check_jobs} at a time; random inputs from FLASHLADDER_SEED={run_seed()}")
         with ThreadPoolExecutor(max_workers=1) as side:  # the step-free tests run beside the steps' checks
-            others_future = side.submit(check_others, steps, args.check_timeout, junit_dir, tests, log, False)
-            checks = check_steps(steps, args.check_timeout, junit_dir, tests, jobs=args.check_jobs)
-            others = others_future.result()
+            # (not with --ptx-jit: they test no step's build)
+            others_future = None if steps_mod.ptx_jit() else side.submit(
+                check_others, steps, OTHERS_TIMEOUT_FACTOR * args.check_timeout, junit_dir, tests, log, False)
+            checks |= check_steps(runnable, args.check_timeout, junit_dir, tests, jobs=args.check_jobs)
+            others = others_future.result() if others_future else "not run (--ptx-jit)"
         log("  " + ", ".join(f"{s} {v}" for s, v in checks.items()) + f"; other tests {others}")
     failed = [s for s, v in checks.items() if v.startswith("FAILED")]
     code = 1 if failed or others.startswith("FAILED") else 0
@@ -262,12 +294,12 @@ def run(args) -> int:
 
     log(f"{stage['bench']} benchmarking {len(steps)} step(s) and torch SDPA at N = {', '.join(map(str, seqlens))}")
     meta = gpu_meta()
-    impls = {s: steps_mod.load(s).attention for s in steps if s not in failed}  # a hung or wrong kernel is not timed
+    impls = {s: steps_mod.load(s).attention for s in runnable if s not in failed}  # a hung or wrong kernel is not timed
     timing = bench.run(impls, seqlens, timing=bench.timing_from_args(args), log=log)
     meta["clocks_after"] = smi().get("clocks", {})
 
     log(f"{stage['write']} writing results")
-    gpu_slug = re.sub(r"[^a-z0-9]+", "-", meta["gpu"].lower().replace("nvidia", "")).strip("-") or "gpu"
+    gpu_slug = results_folder(meta["gpu"])
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H-%M-%SZ")
     res_dir = ROOT / "results" / gpu_slug
     res_dir.mkdir(parents=True, exist_ok=True)
@@ -277,7 +309,8 @@ def run(args) -> int:
            "argv": sys.argv[1:], "seconds": round(time.time() - t_start, 1)}
     json_path.write_text(json.dumps(run, indent=1, default=str))
     report.chart(run, png_path)
-    full = steps == steps_mod.all_steps() and seqlens == bench.SEQLENS_OF_RECORD and not args.no_checks and not failed
+    full = (steps == steps_mod.all_steps() and seqlens == bench.SEQLENS_OF_RECORD and not args.no_checks and not failed
+            and not skipped)
     if args.readme == "yes" or (args.readme == "auto" and full):
         shutil.copyfile(png_path, ROOT / "results" / "latest.png")
         if report.update_readme(ROOT / "README.md", report.markdown_table(run), "results/latest.png"):
@@ -291,6 +324,39 @@ def run(args) -> int:
     if failed:
         log(f"\nCHECKS FAILED for {', '.join(failed)} (not benchmarked); see the pytest output above")
     return code
+
+
+def results_folder(gpu_name: str) -> str:
+    """results/<this>/ for a GPU: 'NVIDIA H200' -> 'h200', 'NVIDIA GeForce RTX 4090' -> 'geforce-rtx-4090'."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower().replace("nvidia", "")).strip("-") or "gpu"
+
+
+def targets_in_words(steps: list[str]) -> str:
+    """What the build makes of each group of steps: 'steps 01-07: SASS sm_80, ..., PTX compute_80; steps 08-14: SASS sm_90a'."""
+    groups: dict[tuple, list[str]] = {}
+    for s in steps:
+        t = steps_mod.targets(s)
+        groups.setdefault((tuple(t.sass()), tuple(t.ptx())), []).append(s)
+    parts = []
+    for (sass, ptx), members in groups.items():
+        what = [f"SASS for {', '.join(sass)}"] if sass else []
+        what += [f"{', '.join(ptx)} PTX" + ("" if sass else " alone, compiled by the driver at load")] if ptx else []
+        parts.append(f"{steps_mod.numbers_in_words(members)}: {' + '.join(what)}")
+    return "; ".join(parts)
+
+
+def resources_in_words(step: str, report: dict) -> list[str]:
+    """One line per kernel of the step: registers, spills and stack on each architecture (identical ones grouped)."""
+    if not report:
+        return [f"{step}: no SASS (PTX alone: ptxas runs in the driver, at load)"]
+    kernels: dict[str, dict[tuple, list[str]]] = {}
+    for arch, found in report.items():
+        for kernel, res in found.items():
+            key = (res.get("registers"), res.get("spill_stores", 0), res.get("spill_loads", 0), res.get("stack_frame", 0))
+            kernels.setdefault(kernel, {}).setdefault(key, []).append(arch)
+    return [f"{step} {kernel}: " + "; ".join(f"{', '.join(archs)}: {regs} registers, {st}+{ld} spill bytes, {stack} B stack"
+                                             for (regs, st, ld, stack), archs in by_resources.items())
+            for kernel, by_resources in kernels.items()]
 
 
 def regenerate(json_path: Path) -> int:

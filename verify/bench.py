@@ -16,7 +16,7 @@ for Python between calls; each cell records the GPU's idle share of its window. 
 would hold fewer calls. The old benchmark's burst figure is kept beside it: the median of the first
 <= `burst_calls` warm-up calls, i.e. right after the pause. A thread reads the SM clock and the board
 power all along (NVML through torch.cuda, else nvidia-smi; read only: no setting of the card is
-changed) and each cell records the clock range of its window.
+changed; a board that reports no power gets the clock alone) and each cell records the clock range of its window.
 
 `SteadyState` makes the warm-up / window decisions and `drive` does the queueing; neither touches
 the GPU, so tests/test_bench.py runs both on a simulated GPU and clock.
@@ -313,8 +313,15 @@ class ClockSampler:
         import torch
         device = torch.cuda.current_device()
 
+        def power_w():
+            return torch.cuda.power_draw(device) / 1e3  # mW -> W
+        try:
+            power_w()
+        except Exception:  # a board that reports no power to NVML (some GeForce cards): the clock alone
+            power_w = None
+
         def nvml():
-            return float(torch.cuda.clock_rate(device)), torch.cuda.power_draw(device) / 1e3  # MHz, mW -> W
+            return float(torch.cuda.clock_rate(device)), power_w() if power_w else None  # MHz, W
         try:
             nvml()
             return "nvml", nvml

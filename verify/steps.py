@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -13,11 +14,41 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "common"))
 import build_step  # noqa: E402  (common/build_step.py: the same build the wheels use)
 
-DEV = ROOT / "build" / "dev"  # holds flashladder/stepNN/ packages; put first on sys.path
+PTX_JIT = "FLASHLADDER_PTX_JIT"  # =1: build and check the steps' portable PTX alone (python -m verify --ptx-jit)
+
+
+def ptx_jit() -> bool:
+    """FLASHLADDER_PTX_JIT=1: each step is built as its portable PTX alone, without SASS (build_step.Targets.ptx_only),
+    into build/ptx-jit/, so that the driver compiles it when it loads it, on any GPU: the code a GPU newer than the
+    build's SASS (or, with this build, any GPU) runs. python -m verify --ptx-jit sets it for its check processes."""
+    return os.environ.get(PTX_JIT, "") not in ("", "0")
+
+
+def dev_dir() -> Path:
+    return ROOT / "build" / ("ptx-jit" if ptx_jit() else "dev")
+
+
+DEV = dev_dir()  # holds flashladder/stepNN/ packages; put first on sys.path
 
 
 def all_steps() -> list[str]:
     return [build_step.step_name(d) for d in build_step.find_steps(ROOT)]
+
+
+def step_dir(step: str) -> Path:
+    return next(d for d in build_step.find_steps(ROOT) if build_step.step_name(d) == step)
+
+
+def targets(step: str) -> build_step.Targets:
+    """What the step's build holds: its row of build_step.TARGETS, or that row's PTX alone under FLASHLADDER_PTX_JIT."""
+    t = build_step.targets_of(step_dir(step))
+    return t.ptx_only() if ptx_jit() else t
+
+
+def portable_steps(steps: list[str] | None = None) -> list[str]:
+    """Of `steps` (default: all), those whose library embeds PTX, which the driver compiles for GPUs without SASS of
+    their own in it (steps 01-07: sm80_and_later)."""
+    return [s for s in (steps or all_steps()) if build_step.targets_of(step_dir(s)).ptx()]
 
 
 class SelectionError(ValueError):
@@ -52,7 +83,7 @@ def build(steps: list[str], jobs: int = 8, log=print) -> dict[str, dict]:
     dirs = {build_step.step_name(d): d for d in build_step.find_steps(ROOT)}
 
     def one(step):
-        built = build_step.compile_step(dirs[step], DEV / "flashladder" / step)
+        built = build_step.compile_step(dirs[step], DEV / "flashladder" / step, ptx_only=ptx_jit())
         log(f"  {'built' if built else 'cached'} {step}")
         return step, ptxas_of(step)
 
@@ -111,7 +142,43 @@ def no_gpu_reason() -> str | None:
         return why
     import torch
     if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a CPU build; the kernels run on an H100/H200 with a CUDA build of torch"
+        return f"torch {torch.__version__} is a CPU build; the kernels run on {GPUS} with a CUDA build of torch"
     if not torch.cuda.is_available():
-        return "torch sees no CUDA GPU on this machine; the kernels run on an H100/H200"
+        return f"torch sees no CUDA GPU on this machine; the kernels run on {GPUS}"
     return None
+
+
+def numbers_in_words(steps: list[str]) -> str:
+    """['step01', ..., 'step07'] -> 'steps 01-07'; ['step01', 'step03'] -> 'steps 01, 03'."""
+    nums = [int(s[4:]) for s in steps]
+    if len(nums) == 1:
+        return f"step {nums[0]:02d}"
+    if nums == list(range(nums[0], nums[-1] + 1)):
+        return f"steps {nums[0]:02d}-{nums[-1]:02d}"
+    return "steps " + ", ".join(f"{n:02d}" for n in nums)
+
+
+def gpus_in_words() -> str:
+    """Where the steps run, from their builds' targets: 'an H100/H200 (every step) or any GPU since Ampere, sm_80
+    (steps 01-07)'."""
+    portable = portable_steps()
+    return "an H100/H200 (every step)" + (f" or any GPU since Ampere, sm_80 ({numbers_in_words(portable)})" if portable else "")
+
+
+GPUS = gpus_in_words()
+
+
+def unrunnable(steps: list[str], device) -> dict[str, str]:
+    """The steps of `steps` whose built library holds no code for `device` (a binding.Device), each with why, in one
+    line (the binding's own check, without a launch). Needs the steps built."""
+    import binding  # common/binding.py: needs torch
+    out = {}
+    for step in steps:
+        lib = binding.load_library(DEV / "flashladder" / step / "_kernel.so")
+        archs = lib.flashladder_archs().decode().split(",")
+        smem = lib.flashladder_smem_bytes() if hasattr(lib, "flashladder_smem_bytes") else None
+        try:
+            binding.check_device(step, archs, smem, device, "this GPU")
+        except RuntimeError as e:
+            out[step] = str(e).removeprefix(f"flashladder.{step}: ")
+    return out

@@ -35,6 +35,9 @@
 #include "ptx.cuh"
 #include "swizzle.cuh"
 
+// Runs on every GPU since Ampere: nothing in it needs more than sm_80 (common/build_step.py, TARGETS).
+FLASHLADDER_TARGETS(sm80_and_later);
+
 namespace {
 
 constexpr int BLOCK_M = 128;                          // query rows per block
@@ -212,6 +215,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_fwd_kernel(const FwdPar
 // ---- host launcher: grid, block, shared memory, attributes ----
 FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return BLOCK_M; }  // one block per BLOCK_M query rows
 FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return BLOCK_N; }  // whole K/V tiles only
+FLASHLADDER_EXPORT int flashladder_smem_bytes() { return SMEM_BYTES; }  // per block: the binding checks the GPU has it
 
 FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t stream) {
     // 96 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).

@@ -1,4 +1,4 @@
-# The same in every step: compile kernel.cu with nvcc for sm_90a (common/build_step.py does the work).
+# The same in every step: compile kernel.cu with nvcc for its targets (common/build_step.py does the work).
 # common/ is two folders up in the repository, and beside this file in the step's sdist, which carries it.
 import sys
 from pathlib import Path

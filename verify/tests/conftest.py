@@ -43,5 +43,5 @@ def has_cuda_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-needs_gpu = pytest.mark.skipif(not has_cuda_gpu(), reason="no CUDA GPU on this machine: the kernel checks run on an "
-                               "H100/H200 (python -m verify on the GPU machine)")
+needs_gpu = pytest.mark.skipif(not has_cuda_gpu(), reason="no CUDA GPU on this machine: the kernel checks run on "
+                               f"{steps_mod.GPUS} (python -m verify on the GPU machine)")

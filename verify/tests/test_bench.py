@@ -226,3 +226,20 @@ def test_run_on_the_gpu():
     assert gemm["tflops"] > 0 and gemm["window_calls"] >= SHORT.min_window_calls
     assert out["method"]["window_s"] == SHORT.window_s and "clock_source" in out["method"]
     assert any("SM " in line for line in lines), lines
+
+
+def test_nvml_without_board_power_still_reads_the_clock(monkeypatch):
+    """Some boards (GeForce cards among them) report no power to NVML: the clock is read through NVML alone,
+    rather than the whole source given up for nvidia-smi's slower readings."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device=None: 2520)
+
+    def no_power(device=None):
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+    monkeypatch.setattr(torch.cuda, "power_draw", no_power)
+    source, read = bench.ClockSampler._find_source()
+    assert source == "nvml" and read() == (2520.0, None)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda device=None: 350_000)  # mW
+    source, read = bench.ClockSampler._find_source()
+    assert source == "nvml" and read() == (2520.0, 350.0)

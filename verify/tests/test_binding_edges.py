@@ -94,8 +94,63 @@ def test_the_step_says_what_is_missing_before_torchs_own_error(built):
     lines = res.stderr.splitlines()
     said = [i for i, line in enumerate(lines) if f"UserWarning: flashladder.{step}: " in line]
     assert res.returncode != 0 and len(said) == 1 and "Traceback (most recent call last):" in lines, res.stderr
-    assert lines[said[0]].startswith("<string>:2: ") and "H100/H200" in lines[said[0]], res.stderr
+    runs_on = steps_mod.load(step)._binding.runs_on(steps_mod.targets(step).archs())  # the step's architectures
+    assert lines[said[0]].startswith("<string>:2: ") and f"the kernel runs on {runs_on} " in lines[said[0]], res.stderr
     assert said[0] < lines.index("Traceback (most recent call last):"), res.stderr
+
+
+# ---------------------------------------------------------------- which code a GPU runs
+
+def test_device_props_read_the_shared_memory_from_the_driver_where_torch_does_not_say(monkeypatch):
+    """torch's device properties give shared_memory_per_block_optin in recent versions; without it (an older torch
+    >= 2.4), the driver's attribute 97 (cudaDevAttrMaxSharedMemoryPerBlockOptin), through libcuda."""
+    import types
+
+    import binding
+    asked = []
+
+    class FakeLibcuda:
+        def cuDeviceGet(self, device, index):
+            device._obj.value = 10 + index
+            return 0
+
+        def cuDeviceGetAttribute(self, value, attribute, device):
+            asked.append((attribute, device.value))
+            value._obj.value = 101376
+            return 0
+    old_torch = types.SimpleNamespace(name="NVIDIA GeForce RTX 4090", major=8, minor=9)
+    monkeypatch.setattr(binding.torch.cuda, "get_device_properties", lambda index: old_torch)
+    monkeypatch.setattr(binding.ctypes, "CDLL", lambda name: FakeLibcuda())
+    binding._device_props.cache_clear()
+    try:
+        assert binding._device_props(1) == binding.Device("NVIDIA GeForce RTX 4090", 8, 9, 101376)
+        assert asked == [(97, 11)]
+        new_torch = types.SimpleNamespace(**vars(old_torch), shared_memory_per_block_optin=232448)
+        monkeypatch.setattr(binding.torch.cuda, "get_device_properties", lambda index: new_torch)
+        binding._device_props.cache_clear()
+        assert binding._device_props(0).smem_per_block_optin == 232448 and len(asked) == 1
+    finally:
+        binding._device_props.cache_clear()
+
+
+PORTABLE = ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_120", "compute_80"]  # steps 01-07's targets
+
+
+@pytest.mark.parametrize("archs, cc, code", [
+    (PORTABLE, (8, 0), "sm_80"), (PORTABLE, (8, 6), "sm_86"), (PORTABLE, (8, 7), "sm_86"),  # Orin: Ampere's SASS
+    (PORTABLE, (8, 9), "sm_89"), (PORTABLE, (9, 0), "sm_90a"), (PORTABLE, (12, 0), "sm_120"),
+    (PORTABLE, (12, 1), "sm_120"), (PORTABLE, (10, 0), "compute_80"), (PORTABLE, (11, 0), "compute_80"),  # B200, Thor: JIT
+    (PORTABLE, (7, 5), None),
+    (["sm_90a"], (9, 0), "sm_90a"), (["sm_90a"], (8, 9), None), (["sm_90a"], (10, 0), None),  # 'a': its own GPU alone
+    (["compute_80"], (9, 0), "compute_80"), (["compute_80"], (7, 5), None),  # the PTX-JIT build
+    (["compute_90a"], (9, 0), "compute_90a"), (["compute_90a"], (10, 0), None),
+    (["sm_80", "compute_80", "compute_86"], (8, 9), "sm_80"), (["compute_80", "compute_86"], (8, 9), "compute_86"),
+])
+def test_code_for_picks_what_the_driver_runs(archs, cc, code):
+    """SASS of the GPU's major version and a minor one up to its own ('a': its own alone), the closest; else the
+    newest PTX not newer than the GPU; else nothing."""
+    import binding  # common/binding.py, which every step's package carries as _binding.py
+    assert binding.code_for(archs, *cc) == code
 
 
 # ---------------------------------------------------------------- strides

@@ -1,16 +1,40 @@
-"""CPU: every step compiles with nvcc for sm_90a, spills nothing, and exports the C ABI the binding expects."""
+"""CPU: every step compiles with nvcc for each architecture of its targets (common/build_step.py's TARGETS: steps
+01-07 for sm_80, sm_86, sm_89, sm_90a and sm_120 with compute_80 PTX, steps 08-14 for sm_90a), spills nothing on
+any of them, and exports the C ABI the binding expects; a kernel.cu's FLASHLADDER_TARGETS line is read, and a build
+that missed it fails."""
 import ctypes
+import re
+import subprocess
+
+import pytest
 
 from verify import steps as steps_mod
 
+build_step = steps_mod.build_step
+
 
 def test_compiles_without_spills(step, built):
-    report = built[step]
-    assert report, f"{step}: no kernel found in the ptxas report"
-    for kernel, res in report.items():
-        assert "spill_stores" in res and "spill_loads" in res, f"{step} {kernel}: ptxas reported no spill counts: {res}"
-        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, f"{step} {kernel} spills: {res}"
-        assert "registers" in res, f"{step} {kernel}: ptxas reported no register count: {res}"
+    """ptxas -v reports every architecture the step has SASS for, in a block of its own, with no spill in any."""
+    report, targets = built[step], steps_mod.targets(step)
+    assert sorted(report) == sorted(targets.sass()), \
+        f"{step}: ptxas reported {sorted(report)}, its targets ({targets.name}) have SASS for {targets.sass()}"
+    if not report:
+        pytest.skip(f"{step}: this build is its PTX alone (FLASHLADDER_PTX_JIT): ptxas runs in the driver")
+    for arch, kernels in report.items():
+        assert kernels, f"{step}: no kernel found in the ptxas report for {arch}"
+        for kernel, res in kernels.items():
+            assert "spill_stores" in res and "spill_loads" in res, f"{step} {kernel} ({arch}): ptxas reported no spill counts: {res}"
+            assert res["spill_stores"] == 0 and res["spill_loads"] == 0, f"{step} {kernel} spills on {arch}: {res}"
+            assert "registers" in res, f"{step} {kernel} ({arch}): ptxas reported no register count: {res}"
+
+
+def test_the_ptxas_report_has_a_block_per_architecture(step, built):
+    """_ptxas.txt (shipped in the wheel) holds each architecture's lines under its own `== sm_XX ==` heading."""
+    text = (steps_mod.DEV / "flashladder" / step / "_ptxas.txt").read_text()
+    headings = re.findall(r"^== (\S+) ==$", text, re.M)
+    assert headings == steps_mod.targets(step).sass(), f"{step}: headings {headings}"
+    for block in re.split(r"^== \S+ ==$", text, flags=re.M)[1:]:
+        assert len(set(re.findall(r"for '(\w+)'", block))) == 1, f"{step}: a block mixes architectures:\n{block}"
 
 
 def test_exports_the_abi(step, built):
@@ -18,6 +42,10 @@ def test_exports_the_abi(step, built):
     import binding  # common/binding.py (verify.steps puts common/ on sys.path)
     assert lib.flashladder_abi_version() == binding.ABI_VERSION
     assert lib.flashladder_params_size() == ctypes.sizeof(binding.FwdParams)
+    lib.flashladder_archs.restype = ctypes.c_char_p
+    assert lib.flashladder_archs().decode().split(",") == steps_mod.targets(step).archs()
+    if steps_mod.targets(step).ptx():  # a step for GPUs beyond Hopper says what shared memory a block takes
+        assert 0 < lib.flashladder_smem_bytes() <= 99 * 1024, f"{step}: {lib.flashladder_smem_bytes()} bytes"
     multiples = (lib.flashladder_seqlen_multiple_q(), lib.flashladder_seqlen_multiple_k())
     if multiples == (1, 1):  # any seqlen: then the step says what its tiles are
         multiples = (lib.flashladder_tile_q(), lib.flashladder_tile_k())
@@ -50,3 +78,82 @@ def test_driver_entry_points_need_no_libcuda(tmp_path):
         assert code == 0, f"cuTensorMapEncodeTiled not found (cudaError {code})"
     else:
         assert code != 0  # no driver here: an error code, not a crash
+
+
+# ---- the targets: a kernel.cu's FLASHLADDER_TARGETS line, read by the build and checked by the compile ----
+
+def kernel_dir(tmp_path, text: str):
+    (tmp_path / "kernel.cu").write_text(text)
+    return tmp_path
+
+
+def test_the_targets_line_is_read(tmp_path):
+    assert build_step.targets_of(kernel_dir(tmp_path, "// nothing said\n")).name == build_step.DEFAULT_TARGETS
+    assert build_step.targets_of(kernel_dir(tmp_path, "FLASHLADDER_TARGETS(sm80_and_later);\n")).name == "sm80_and_later"
+    assert build_step.targets_of(kernel_dir(tmp_path, "  FLASHLADDER_TARGETS( sm80_and_later ) ;\n")).name == "sm80_and_later"
+    with pytest.raises(RuntimeError, match="names no targets; .*TARGETS has sm90a_only, sm80_and_later"):
+        build_step.targets_of(kernel_dir(tmp_path, "FLASHLADDER_TARGETS(sm75_and_later);\n"))
+    with pytest.raises(RuntimeError, match="appears 2 times"):
+        build_step.targets_of(kernel_dir(tmp_path, "FLASHLADDER_TARGETS(sm80_and_later);\nFLASHLADDER_TARGETS(sm90a_only);\n"))
+
+
+def test_every_portable_step_says_so_and_the_rest_are_sm90a(built):
+    """Steps 01-07 run on every GPU since Ampere; steps 08-14 use wgmma, TMA or setmaxnreg: sm_90a alone."""
+    names = {s: build_step.targets_of(steps_mod.step_dir(s)).name for s in steps_mod.all_steps()}
+    assert {s for s, n in names.items() if n == "sm80_and_later"} == {f"step{i:02d}" for i in range(1, 8)}, names
+    assert {s for s, n in names.items() if n == "sm90a_only"} == {f"step{i:02d}" for i in range(8, 15)} & set(names), names
+
+
+def compile_probe(tmp_path, source: str, flags: list[str]) -> subprocess.CompletedProcess:
+    src = tmp_path / "probe.cu"
+    src.write_text(source)
+    return subprocess.run([build_step.find_nvcc(), "-std=c++17", *flags, f"-I{build_step.COMMON}", "-c", str(src),
+                           "-o", str(tmp_path / "probe.o")], capture_output=True, text=True)
+
+
+PROBE = '#include "flashladder.cuh"\n{line}\nFLASHLADDER_EXPORT int probe() {{ return 0; }}\n'
+
+
+def test_a_targets_line_the_build_missed_fails_the_compile(tmp_path):
+    """A declaration the build's reading does not see (here: not at the start of its line) meets the default's
+    flags, and its static_assert stops the compile, saying why; read, it compiles."""
+    missed = PROBE.format(line="static_assert(true); FLASHLADDER_TARGETS(sm80_and_later);")
+    assert build_step.targets_of(kernel_dir(tmp_path, missed)).name == "sm90a_only"  # the build does not see it
+    proc = compile_probe(tmp_path, missed, build_step.target_flags(build_step.targets_of(tmp_path)))
+    assert proc.returncode != 0 and "kernel.cu names the targets sm80_and_later, but the build compiled it for sm90a_only" \
+        in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    read = PROBE.format(line="FLASHLADDER_TARGETS(sm80_and_later);")
+    proc = compile_probe(tmp_path, read, build_step.target_flags(build_step.targets_of(kernel_dir(tmp_path, read))))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_kernel_compiled_without_the_build_says_so(tmp_path):
+    proc = compile_probe(tmp_path, PROBE.format(line=""), build_step.ARCH_FLAGS)
+    assert proc.returncode != 0 and "build the steps with common/build_step.py" in proc.stdout + proc.stderr
+
+
+def test_ptxas_report_groups_lines_by_architecture():
+    """ptxas runs once per architecture, side by side; its lines are grouped under each, a spill warning (printed
+    before its run's info lines) with its own run, and the parser reads each architecture's counts apart."""
+    kernel = "_ZN41_GLOBAL__N__5af2276c_9_kernel_cu_6d475b9220attention_fwd_kernelE9FwdParams"
+    def run(arch, regs, spill):
+        return ([f"ptxas warning : Registers are spilled to local memory in function '{kernel}', {spill} bytes spill stores, "
+                 f"{spill} bytes spill loads"] if spill else []) + [
+            "ptxas info    : 0 bytes gmem", f"ptxas info    : Compiling entry function '{kernel}' for '{arch}'",
+            f"ptxas info    : Function properties for {kernel}",
+            f"    {spill} bytes stack frame, {spill} bytes spill stores, {spill} bytes spill loads",
+            f"ptxas info    : Used {regs} registers, used 1 barriers", "ptxas info    : Compile time = 1.0 ms"]
+    output = "\n".join(["kernel.cu(1): warning: a host compiler's", *run("sm_90a", 255, 0), *run("sm_120", 255, 16),
+                        *run("sm_80", 200, 0)])
+    targets = build_step.Targets("t", (("compute_80", ("sm_80", "sm_120", "compute_80")), ("compute_90a", ("sm_90a",))))
+    report = build_step.ptxas_report(output, targets)
+    lines = report.splitlines()
+    assert lines[0] == "# ptxas -v for sm_80, sm_90a, sm_120; embedded PTX, compiled by the driver at load: compute_80"
+    assert lines[1] == "kernel.cu(1): warning: a host compiler's"
+    assert [ln for ln in lines if ln.startswith("==")] == ["== sm_80 ==", "== sm_90a ==", "== sm_120 =="]
+    sm120 = report.split("== sm_120 ==")[1]
+    assert sm120.lstrip().startswith("ptxas warning : Registers are spilled"), report
+    parsed = build_step.parse_ptxas(report)
+    assert {a: (r["registers"], r["spill_stores"]) for a, ks in parsed.items() for r in ks.values()} == \
+        {"sm_80": (200, 0), "sm_90a": (255, 0), "sm_120": (255, 16)}
+    assert parsed == build_step.parse_ptxas(output), "the grouped report and nvcc's output read the same"

@@ -347,3 +347,72 @@ def test_nox_verify_without_a_cuda_torch_says_what_to_do_in_one_line(noxfile, tm
         noxfile.verify(FakeSession())
     assert str(e.value).startswith(f"no CUDA build of torch in {cpu} (torch 2.13.0+cpu, a CPU build): install one")
     assert "python -m verify" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- GPUs other than the H200, and the PTX-JIT checks ----
+
+def test_ptx_jit_refuses_a_step_without_ptx_in_one_line():
+    hopper = next((s for s in steps_mod.all_steps() if s not in steps_mod.portable_steps()), None)
+    if hopper is None:
+        pytest.skip("every step embeds PTX")
+    out = run_cli("verify", "--ptx-jit", "--steps", hopper)
+    assert_one_line_error(out, CLIS["verify"], "--ptx-jit", hopper, "embed(s) no PTX",
+                          steps_mod.numbers_in_words(steps_mod.portable_steps()))
+
+
+def test_ptx_jit_builds_the_ptx_alone_and_checks_it(tmp_path):
+    """--ptx-jit: the step built as its PTX alone into build/ptx-jit, its checks run with FLASHLADDER_PTX_JIT=1 (so
+    that they import that build), no benchmark and no step-free tests. (A fake check stands for the real ones.)"""
+    step = steps_mod.portable_steps()[0]
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_fake.py").write_text(textwrap.dedent(f"""
+        import os
+        from verify import steps as steps_mod
+
+        def test_kernel_{step}():
+            assert os.environ.get("FLASHLADDER_PTX_JIT") == "1"
+            assert steps_mod.DEV == steps_mod.ROOT / "build" / "ptx-jit"
+            assert steps_mod.targets({step!r}).sass() == [] and steps_mod.targets({step!r}).ptx() == ["compute_80"]
+            assert (steps_mod.DEV / "flashladder" / {step!r} / "_kernel.so").is_file()
+
+        def test_not_about_one_step():
+            raise AssertionError("the step-free tests do not run under --ptx-jit")
+    """))
+    out = run_cli("verify", "--ptx-jit", "--steps", step, "--tests", str(tests), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{step[4:]}: compute_80 PTX alone, compiled by the driver at load" in out.stdout, out.stdout
+    assert f"-- {step}: passed" in out.stdout and "other tests not run (--ptx-jit)" in out.stdout, out.stdout
+    assert "benchmarking" not in out.stdout, out.stdout
+
+
+def test_the_steps_this_gpu_cannot_run_are_named_with_why(built):
+    """On an RTX 4090 (faked): steps 01-07 run, each step built for sm_90a alone is left out, with the binding's
+    reason (python -m verify then neither checks nor benchmarks it)."""
+    pytest.importorskip("torch")
+    import binding
+    steps = steps_mod.all_steps()
+    skipped = steps_mod.unrunnable(steps, binding.Device("NVIDIA GeForce RTX 4090", 8, 9, 99 * 1024))
+    assert sorted(skipped) == [s for s in steps if s not in steps_mod.portable_steps()], skipped
+    for why in skipped.values():
+        assert why == "needs an sm_90 GPU (H100/H200; built for sm_90a alone), but this GPU is NVIDIA GeForce RTX 4090 (sm_89)"
+    assert steps_mod.unrunnable(steps, binding.Device("NVIDIA H200", 9, 0, 227 * 1024)) == {}
+
+
+@pytest.mark.parametrize("name, folder", [("NVIDIA H200", "h200"), ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
+                                          ("NVIDIA A100-SXM4-80GB", "a100-sxm4-80gb"), ("NVIDIA RTX 6000 Ada Generation",
+                                                                                      "rtx-6000-ada-generation")])
+def test_results_go_to_a_folder_named_after_the_gpu(name, folder):
+    assert verify_main.results_folder(name) == folder
+
+
+def test_the_build_line_says_what_each_group_of_steps_is_built_for():
+    text = verify_main.targets_in_words(steps_mod.all_steps())
+    portable = steps_mod.numbers_in_words(steps_mod.portable_steps())
+    assert f"{portable}: SASS for sm_80, sm_86, sm_89, sm_90a, sm_120 + compute_80 PTX" in text, text
+    assert text.endswith("08-14: SASS for sm_90a") or "steps 08-14: SASS for sm_90a" in text, text
+    report = {"sm_80": {"k": {"registers": 200, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0}},
+              "sm_90a": {"k": {"registers": 255, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0}},
+              "sm_120": {"k": {"registers": 200, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0}}}
+    assert verify_main.resources_in_words("step07", report) == [
+        "step07 k: sm_80, sm_120: 200 registers, 0+0 spill bytes, 0 B stack; sm_90a: 255 registers, 0+0 spill bytes, 0 B stack"]

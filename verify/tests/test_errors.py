@@ -2,7 +2,9 @@
 (common/binding.py) is reached by a test here.
 
 The metadata checks run on CPU tensors too (so CI without a GPU tests them), and on meta tensors (no memory
-behind them) for sizes no GPU could hold; the device, alignment and overlap checks need a GPU.
+behind them) for sizes no GPU could hold; the alignment and overlap checks need a GPU. The GPU's own check (its
+architecture against the step's library, its shared memory per block against the step's) runs on CPU with a faked
+device: the binding's device-properties function replaced by one that plays an RTX 4090, a T4, an H200.
 """
 import ctypes
 import math
@@ -12,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from verify import steps as steps_mod  # noqa: E402
 from verify.tests.conftest import has_cuda_gpu, needs_gpu  # noqa: E402
 
 DEV = "cuda" if has_cuda_gpu() else "cpu"  # metadata errors come before the device check
@@ -186,11 +189,90 @@ def test_misaligned_pointer(mod):
     expect_out(mod, "o's data pointer is not 16-byte aligned", q, k, v, o_odd, torch.empty(q.shape[:3], device="cuda"))
 
 
+# ---- the GPU's own check, on a faked device (CPU) ----
+
+RTX_4090 = ("NVIDIA GeForce RTX 4090", 8, 9, 99 * 1024)  # sm_89; 99 KB of shared memory per block (opt-in)
+TESLA_T4 = ("Tesla T4", 7, 5, 64 * 1024)                 # sm_75: Turing, before every step's targets
+H200 = ("NVIDIA H200", 9, 0, 227 * 1024)
+
+
+def fake_gpu(mod, monkeypatch, name, major, minor, smem_per_block_optin):
+    """Replace the binding's device-properties function (its only source for the GPU's properties)."""
+    device = mod._binding.Device(name, major, minor, smem_per_block_optin)
+    monkeypatch.setattr(mod._binding, "_device_props", lambda index: device)
+    return device
+
+
+def call_on_cpu_past_the_metadata_checks(mod, monkeypatch):
+    """The op's own launch path, with CPU tensors: the metadata checks (which refuse CPU tensors) waved through, so
+    that the GPU check before the launch is what the call meets (device index 0)."""
+    monkeypatch.setattr(mod._binding, "check_inputs", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    mod.attention(*qkv(mod, device="cpu"))
+
+
+def check_gpu(mod):
+    """The check the launch makes, alone: the step's architectures and shared memory against the (faked) GPU."""
+    info = mod.info
+    mod._binding.check_device(info["step"], info["archs"], info["smem_bytes"], mod._binding._device_props(0), "cuda:0")
+
+
+def portable(mod) -> bool:
+    return steps_mod.build_step.targets_of(steps_mod.step_dir(mod.info["step"])).name == "sm80_and_later"
+
+
+def test_an_rtx_4090_runs_steps_01_to_07_and_refuses_the_hopper_steps(mod, monkeypatch):
+    """sm_89 with 99 KB per block: every step whose targets reach beyond Hopper runs (its shared memory fits: at
+    most 96 KB); a step built for sm_90a alone is refused in one line that names sm_90a and the GPU's sm_89."""
+    fake_gpu(mod, monkeypatch, *RTX_4090)
+    if portable(mod):
+        assert mod.info["smem_bytes"] <= RTX_4090[3], mod.info
+        check_gpu(mod)  # accepted: no exception
+        return
+    with pytest.raises(RuntimeError) as e:
+        call_on_cpu_past_the_metadata_checks(mod, monkeypatch)
+    assert str(e.value) == (f"flashladder.{mod.info['step']}: needs an sm_90 GPU (H100/H200; built for sm_90a alone), "
+                            "but cuda:0 is NVIDIA GeForce RTX 4090 (sm_89)"), str(e.value)
+
+
+def test_a_gpu_older_than_every_target_is_refused_naming_both(mod, monkeypatch):
+    fake_gpu(mod, monkeypatch, *TESLA_T4)
+    with pytest.raises(RuntimeError) as e:
+        call_on_cpu_past_the_metadata_checks(mod, monkeypatch)
+    message = str(e.value)
+    assert message.startswith(f"flashladder.{mod.info['step']}: needs ") and "\n" not in message, message
+    assert "Tesla T4 (sm_75)" in message and all(a in message for a in mod.info["archs"]), message
+
+
+def test_a_block_that_needs_more_shared_memory_than_the_gpu_offers_is_refused_in_one_line(mod, monkeypatch):
+    """An sm_86 card that offered 48 KB per block (none does: Ampere's give 99 KB or more; it stands in for any GPU
+    short of a step's need): a step that runs there but asks for more says so, naming both figures."""
+    if not portable(mod):  # sm_90 GPUs all offer 227 KB per block: such a step does not say what it takes
+        assert mod.info["smem_bytes"] is None, mod.info
+        return
+    fake_gpu(mod, monkeypatch, "NVIDIA RTX A2000 (48 KB, pretend)", 8, 6, 48 * 1024)
+    need = mod.info["smem_bytes"]
+    with pytest.raises(RuntimeError) as e:
+        call_on_cpu_past_the_metadata_checks(mod, monkeypatch)
+    assert str(e.value) == (f"flashladder.{mod.info['step']}: a block needs {need} bytes ({need / 1024:g} KB) of shared "
+                            f"memory, but cuda:0 (NVIDIA RTX A2000 (48 KB, pretend), sm_86) offers 49152 bytes (48 KB) per block")
+    # and on the RTX 4090, the step's architectures and a need of 100 KB: refused the same way
+    device = fake_gpu(mod, monkeypatch, *RTX_4090)
+    with pytest.raises(RuntimeError, match=r"a block needs 102400 bytes \(100 KB\) of shared memory, but cuda:0 \(NVIDIA "
+                                           r"GeForce RTX 4090, sm_89\) offers 101376 bytes \(99 KB\) per block$"):
+        mod._binding.check_device(mod.info["step"], mod.info["archs"], 100 * 1024, device, "cuda:0")
+
+
+def test_an_h200_runs_every_step(mod, monkeypatch):
+    fake_gpu(mod, monkeypatch, *H200)
+    check_gpu(mod)
+
+
 @needs_gpu
 def test_wrong_gpu_architecture(mod, monkeypatch):
-    binding = mod._binding
-    monkeypatch.setattr(binding, "_device_arch", lambda index: ((8, 0), "NVIDIA A100 (pretend)"))
-    expect(mod, "needs an sm_90 GPU.*sm_80", *qkv(mod, device="cuda"), exc=RuntimeError)
+    """On the GPU: a real launch meets the same check (here the GPU plays a Turing card)."""
+    fake_gpu(mod, monkeypatch, "Tesla T4 (pretend)", 7, 5, 64 * 1024)
+    expect(mod, "needs .*, but cuda:0 is Tesla T4 \\(pretend\\) \\(sm_75\\)", *qkv(mod, device="cuda"), exc=RuntimeError)
 
 
 @needs_gpu

@@ -1,6 +1,10 @@
-"""CPU: each step's machine code (SASS) holds the instructions the step is about, and none it claims to remove.
+"""CPU: each step's machine code (SASS) holds the instructions the step is about, and none it claims to remove,
+on every architecture the step's library holds SASS for; the PTX it embeds for the others is there, is the PTX that
+the PTX-JIT check (python -m verify --ptx-jit) runs, and compiles without spills where a driver compiles it.
 
-cuobjdump disassembles the built _kernel.so (the `built` fixture compiles every step); no GPU is needed. A claim
+cuobjdump disassembles the built _kernel.so (the `built` fixture compiles every step); no GPU is needed. It prints
+one section per architecture; each claim is checked on each of the step's (steps 01-07: sm_80, sm_86, sm_89, sm_90a,
+sm_120; steps 08-14: sm_90a, common/build_step.py's TARGETS). A claim
 holds from the step that introduced it on, so a step added later is checked by the same table, by its number.
 Each claim is shown to fail on a kernel without it (test_each_claim_fails_on_a_kernel_without_it): the step
 before the one that introduced it, or a tiny kernel compiled here where no earlier step can serve.
@@ -96,6 +100,7 @@ __global__ void uses_local_memory(float* out, int i, int k) {
 # The patterns match an instruction's text: `MNEMONIC.MODIFIERS operands` (predicate and address dropped).
 CLAIMS = [
     Claim("mma_sync", 2, 8, present={"HMMA (mma.sync on the tensor cores)": r"HMMA\."}),
+    Claim("ldmatrix", 2, 8, present={"LDSM (ldmatrix: the mma fragments, from shared memory)": r"LDSM\."}),
     Claim("ldmatrix_x4", 6, 8,
           present={"LDSM.16.MT88.4 (ldmatrix.x4.trans: V's B fragments, four 8x8 matrices at once)": r"LDSM\.16\.MT88\.4\s"},
           absent={"an ldmatrix of one or two matrices (LDSM without .4)": r"LDSM\S*(?<!\.4)\s"}),
@@ -134,24 +139,46 @@ class Instruction:
     function: str
     address: str
     text: str  # MNEMONIC.MODIFIERS operands
+    arch: str = "?"  # the fatbin section's: sm_80, sm_90a, ...
 
     def __str__(self):
-        return f"/*{self.address}*/ {self.text} (in {self.function})"
+        return f"/*{self.address}*/ {self.text} (in {self.function}, {self.arch})"
 
 
 FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
+ARCH = re.compile(r"^\s*arch\s*=\s*(\S+)")  # cuobjdump's header of a fatbin section: `arch = sm_86`
 # `/*0a30*/   @!P0 LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64] ;   /* 0x... */`
 INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P(?:T|\d+)\s+)?([A-Z][^;]*?)\s*;")
 
 
 def parse_sass(text: str) -> list[Instruction]:
-    function, out = "?", []
+    function, arch, out = "?", "?", []
     for line in text.splitlines():
-        if m := FUNCTION.match(line):
+        if m := ARCH.match(line):
+            function, arch = "?", m.group(1)
+        elif m := FUNCTION.match(line):
             function = m.group(1)
         elif m := INSTRUCTION.match(line):
-            out.append(Instruction(function, m.group(1), re.sub(r"\s+", " ", m.group(2))))
+            out.append(Instruction(function, m.group(1), re.sub(r"\s+", " ", m.group(2)), arch))
     return out
+
+
+def parse_ptx(text: str) -> dict[str, str]:
+    """`cuobjdump -ptx`'s output -> {arch of the section: its PTX}, the PTX from `.version` on (the section headers,
+    which name the file the build came from, left out)."""
+    sections, arch, lines = {}, None, None
+    for line in text.splitlines() + ["Fatbin"]:
+        if line.startswith("Fatbin"):
+            if arch and lines:
+                sections[arch] = "\n".join(lines).strip() + "\n"
+            arch, lines = None, None
+        elif (m := ARCH.match(line)) and lines is None:
+            arch = m.group(1)
+        elif line.startswith(".version"):
+            lines = [line]
+        elif lines is not None:
+            lines.append(line)
+    return sections
 
 
 def find_cuobjdump() -> str | None:
@@ -179,25 +206,45 @@ def cuobjdump() -> str:
     return tool
 
 
-def run_cuobjdump(tool: str, binary: str) -> subprocess.CompletedProcess:
-    """`cuobjdump -sass BINARY`. cuobjdump calls nvdisasm, which it looks for on PATH only: the directory of
-    the cuobjdump found goes first on PATH (the nvidia-cuda-nvdisasm wheel puts nvdisasm beside it)."""
+def run_cuobjdump(tool: str, binary: str, what: str = "-sass") -> subprocess.CompletedProcess:
+    """`cuobjdump -sass BINARY` (or -ptx). cuobjdump calls nvdisasm, which it looks for on PATH only: the directory
+    of the cuobjdump found goes first on PATH (the nvidia-cuda-nvdisasm wheel puts nvdisasm beside it)."""
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(tool).parent), os.environ.get("PATH", "")])}
-    return subprocess.run([tool, "-sass", binary], capture_output=True, text=True, env=env)
+    return subprocess.run([tool, what, binary], capture_output=True, text=True, env=env)
+
+
+@functools.lru_cache(maxsize=None)
+def _sass_text(tool: str, binary: str, mtime_ns: int) -> str:
+    """`cuobjdump -sass`'s output, once per build of a binary (a library of five architectures takes seconds)."""
+    proc = run_cuobjdump(tool, binary)
+    assert proc.returncode == 0, f"{tool} -sass {binary} failed:\n{proc.stdout}{proc.stderr}"
+    return proc.stdout
 
 
 @functools.lru_cache(maxsize=None)
 def _sass(tool: str, binary: str, mtime_ns: int) -> tuple[Instruction, ...]:
-    proc = run_cuobjdump(tool, binary)
-    assert proc.returncode == 0, f"{tool} -sass {binary} failed:\n{proc.stdout}{proc.stderr}"
-    sass = parse_sass(proc.stdout)
+    text = _sass_text(tool, binary, mtime_ns)
+    sass = parse_sass(text)
     # An empty parse would make every "absent" part of a claim pass: refuse it.
-    assert sass, f"no SASS instruction read from `{tool} -sass {binary}`; its output begins:\n{proc.stdout[:2000]}"
+    assert sass, f"no SASS instruction read from `{tool} -sass {binary}`; its output begins:\n{text[:2000]}"
     return tuple(sass)
 
 
-def sass_of(tool: str, binary: Path) -> list[Instruction]:
-    return list(_sass(tool, str(binary), binary.stat().st_mtime_ns))
+def sass_of(tool: str, binary: Path, arch: str | None = None) -> list[Instruction]:
+    """The binary's SASS: every architecture's, or `arch`'s alone."""
+    return [i for i in _sass(tool, str(binary), binary.stat().st_mtime_ns) if arch is None or i.arch == arch]
+
+
+@functools.lru_cache(maxsize=None)
+def _ptx(tool: str, binary: str, mtime_ns: int) -> dict[str, str]:
+    proc = run_cuobjdump(tool, binary, "-ptx")
+    assert proc.returncode == 0, f"{tool} -ptx {binary} failed:\n{proc.stdout}{proc.stderr}"
+    return parse_ptx(proc.stdout)
+
+
+def ptx_of(tool: str, binary: Path) -> dict[str, str]:
+    """The PTX embedded in the binary: {section arch (sm_80 for compute_80's PTX): text}."""
+    return _ptx(tool, str(binary), binary.stat().st_mtime_ns)
 
 
 def kernel_so(step: str) -> Path:
@@ -209,15 +256,90 @@ def step_number(step: str) -> int:
 
 
 def pytest_generate_tests(metafunc):
-    if "step_claim" in metafunc.fixturenames:
-        pairs = [(s, c) for s in selected_steps() for c in CLAIMS if c.covers(step_number(s))]
-        metafunc.parametrize("step_claim", pairs, ids=[f"{s}-{c.name}" for s, c in pairs])
+    if "step_claim" in metafunc.fixturenames:  # every claim of a step, on every architecture it has SASS for
+        cases = [(s, c, arch) for s in selected_steps() for c in CLAIMS if c.covers(step_number(s))
+                 for arch in steps_mod.targets(s).sass()]
+        metafunc.parametrize("step_claim", cases, ids=[f"{s}-{c.name}-{arch}" for s, c, arch in cases])
+    if "portable_step" in metafunc.fixturenames:  # the steps that embed PTX for the driver to compile
+        metafunc.parametrize("portable_step", steps_mod.portable_steps(selected_steps()))
 
 
 def test_sass_shows_the_claim(step_claim, built, cuobjdump):
-    step, claim = step_claim
-    problems = claim.problems(sass_of(cuobjdump, kernel_so(step)))
-    assert not problems, f"{step} ({claim.name}, claimed from step{claim.first:02d} on): " + "; ".join(problems)
+    step, claim, arch = step_claim
+    sass = sass_of(cuobjdump, kernel_so(step), arch)
+    assert sass, f"{step}: no {arch} SASS in {kernel_so(step)}, which the step's targets promise"
+    problems = claim.problems(sass)
+    assert not problems, f"{step} on {arch} ({claim.name}, claimed from step{claim.first:02d} on): " + "; ".join(problems)
+
+
+def test_the_library_holds_the_code_its_targets_name(step, built, cuobjdump):
+    """SASS for exactly the architectures of the step's targets (cuobjdump's sections), PTX for exactly its virtual
+    ones, and the library says the same (flashladder_archs, which the binding checks against the GPU)."""
+    import ctypes
+    targets, so = steps_mod.targets(step), kernel_so(step)
+    with_sass = sorted({i.arch for i in _sass(cuobjdump, str(so), so.stat().st_mtime_ns)} if targets.sass() else set())
+    assert with_sass == sorted(targets.sass()), f"{step}: SASS for {with_sass}, its targets name {targets.sass()}"
+    with_ptx = sorted(ptx_of(cuobjdump, so))
+    assert with_ptx == sorted(p.replace("compute_", "sm_") for p in targets.ptx()), \
+        f"{step}: PTX sections {with_ptx}, its targets name {targets.ptx()}"
+    exported = ctypes.CDLL(str(so)).flashladder_archs
+    exported.restype = ctypes.c_char_p
+    assert exported().decode().split(",") == targets.archs()
+    # Each SASS was compiled from the PTX the targets say (the ELF records it: the ptxVersion the driver reports
+    # for it, which test_steps_gpu.py's test_the_driver_runs_the_code_the_gpu_should_get expects).
+    from_ptx = virtual_archs(_sass_text(cuobjdump, str(so), so.stat().st_mtime_ns)) if targets.sass() else {}
+    assert from_ptx == {a: build_step.arch_number(targets.ptx_source(a)) for a in targets.sass()}, from_ptx
+
+
+def virtual_archs(sass_text: str) -> dict[str, int]:
+    """{arch: the virtual architecture its SASS came from} from the `.headerflags @"... EF_CUDA_VIRTUAL_SM(EF_CUDA_SM80)"`
+    line of each section of `cuobjdump -sass`."""
+    out, arch = {}, None
+    for line in sass_text.splitlines():
+        if m := ARCH.match(line):
+            arch = m.group(1)
+        elif arch and (m := re.search(r"EF_CUDA_VIRTUAL_SM\(EF_CUDA_SM(\d+)\)", line)):
+            out[arch] = int(m.group(1))
+    return out
+
+
+def test_the_ptx_jit_build_carries_the_shipped_ptx(portable_step, built, cuobjdump):
+    """python -m verify --ptx-jit checks a build of the step's PTX alone (the driver must compile it at load): its
+    PTX is the one the step's library ships for the GPUs without SASS of their own, byte for byte."""
+    step = portable_step
+    if steps_mod.ptx_jit():
+        pytest.skip("FLASHLADDER_PTX_JIT: this session's build is the PTX-only one; the normal run compares the two")
+    jit = steps_mod.ROOT / "build" / "ptx-jit" / "flashladder" / step  # where --ptx-jit builds it (cached there)
+    build_step.compile_step(steps_mod.step_dir(step), jit, ptx_only=True)
+    shipped, alone = ptx_of(cuobjdump, kernel_so(step)), ptx_of(cuobjdump, jit / "_kernel.so")
+    assert shipped and alone.keys() == shipped.keys(), f"{step}: PTX sections {sorted(alone)} vs {sorted(shipped)}"
+    names = re.compile(r"_GLOBAL__N__[0-9a-f]+_")  # the anonymous namespace's hash may follow the flags
+    for arch in shipped:
+        assert names.sub("_GLOBAL__N__", alone[arch]) == names.sub("_GLOBAL__N__", shipped[arch]), \
+            f"{step}: the PTX-only build's {arch} PTX differs from the one the step ships"
+
+
+# Where the driver compiles a portable step's PTX in the PTX-JIT check: the H200 (sm_90). (A GPU newer than every SASS
+# of the library, a B200 for one, compiles the same PTX; sm_100 is left out to spare CI the time.) ptxas here is the
+# toolkit's; a driver's JIT is the ptxas of the driver's own CUDA version.
+JIT_ARCHS = ("sm_90",)
+
+
+@pytest.mark.parametrize("jit_arch", JIT_ARCHS)
+def test_the_embedded_ptx_compiles_without_spills_where_a_driver_compiles_it(portable_step, built, cuobjdump, jit_arch,
+                                                                             tmp_path):
+    step = portable_step
+    for arch, text in ptx_of(cuobjdump, kernel_so(step)).items():
+        src = tmp_path / f"{arch}.ptx"
+        src.write_text(text)
+        proc = subprocess.run([build_step.find_nvcc(), "-cubin", f"-arch={jit_arch}", "-Xptxas", "-v", str(src),
+                               "-o", str(tmp_path / "out.cubin")], capture_output=True, text=True)  # nvcc's own ptxas
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        report = build_step.parse_ptxas(proc.stdout + proc.stderr)
+        assert report.get(jit_arch), f"{step}: no kernel in ptxas's report:\n{proc.stderr}"
+        for kernel, res in report[jit_arch].items():
+            assert res.get("spill_stores") == 0 and res.get("spill_loads") == 0, \
+                f"{step} {kernel}: its {arch} PTX spills compiled for {jit_arch}: {res}"
 
 
 def test_sass_parser_reads_predicates_and_modifiers():
@@ -231,6 +353,7 @@ def test_sass_parser_reads_predicates_and_modifiers():
         /*25e0*/                   HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR8].tnspB, R88 ;  /* 0x41e0000818587df0 */
     """
     got = [(i.function, i.address, i.text) for i in parse_sass(text)]
+    assert all(i.arch == "?" for i in parse_sass(text))
     assert got == [("kernel_a", "0040", "BRA 0x1b0"), ("kernel_a", "0dd0", "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR7+0x28028], RZ"),
                    ("kernel_a", "07a0", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT"),
                    ("kernel_b", "25e0", "HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR8].tnspB, R88")]
@@ -272,3 +395,56 @@ def test_stretch_counts_counts_between_each_start_and_its_end():
     _, start, end, inner, _ = claim.between
     assert stretch_counts(sass, start, end, inner) == [2, 0]
     assert claim.problems(sass) == [f"not 64 {claim.between[0]}: at most 2"]
+
+
+def test_sass_parser_reads_each_architectures_section():
+    """cuobjdump -sass prints one section per architecture; each instruction is the section's."""
+    text = """
+Fatbin elf code:
+================
+arch = sm_80
+code version = [1,8]
+
+	code for sm_80
+		Function : kernel_a
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;  /* 0x0000000c0804723c */
+
+Fatbin elf code:
+================
+arch = sm_90a
+code version = [1,8]
+
+	code for sm_90a
+		Function : kernel_a
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+"""
+    got = [(i.arch, i.function, i.text) for i in parse_sass(text)]
+    assert got == [("sm_80", "kernel_a", "LDC R1, c[0x0][0x28]"), ("sm_80", "kernel_a", "HMMA.16816.F32.BF16 R4, R8, R12, R4"),
+                   ("sm_90a", "kernel_a", "LDC R1, c[0x0][0x28]")]
+
+
+def test_ptx_parser_reads_each_section():
+    text = """
+Fatbin elf code:
+================
+arch = sm_80
+identifier = a/kernel.cu
+
+Fatbin ptx code:
+================
+arch = sm_80
+compressed
+identifier = a/kernel.cu
+
+.version 9.0
+.target sm_80
+.entry k()
+{
+}
+
+Fatbin elf code:
+================
+arch = sm_90a
+"""
+    assert parse_ptx(text) == {"sm_80": ".version 9.0\n.target sm_80\n.entry k()\n{\n}\n"}

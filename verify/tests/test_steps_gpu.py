@@ -175,6 +175,33 @@ def test_functional_matches_out_variant(mod):
     assert torch.equal(o, o2) and torch.equal(lse, lse2), replay()
 
 
+# ---------------------------------------------------------------- which code the driver runs
+
+def test_the_driver_runs_the_code_the_gpu_should_get(mod):
+    """After a launch, the library says which code the driver loaded (cudaFuncGetAttributes: the PTX version it came
+    from, the SASS version it runs): the one binding.code_for picks for this GPU. On an H200: the sm_90a SASS, from
+    compute_90a (90, 90); under FLASHLADDER_PTX_JIT (python -m verify --ptx-jit) the compute_80 PTX, compiled by the
+    driver for sm_90 (80, 90): the code path of a GPU that has no SASS of its own in the library."""
+    import ctypes
+    from pathlib import Path
+
+    from verify import steps as steps_mod
+    q, k, v = make_inputs(*in_elements(mod, 1, 1, 1, 1))
+    mod.attention(q, k, v)
+    torch.cuda.synchronize()
+    major, minor = torch.cuda.get_device_capability(q.device)
+    code = mod._binding.code_for(mod.info["archs"], major, minor)
+    targets = steps_mod.targets(mod.info["step"])
+    number = steps_mod.build_step.arch_number
+    expected = (number(targets.ptx_source(code)), number(code) if code.startswith("sm_") else 10 * major + minor)
+    lib = mod._binding.load_library(Path(mod.info["library"]))  # the same library, loaded once per process
+    ptx, binary = ctypes.c_int(), ctypes.c_int()
+    assert lib.flashladder_loaded_code(q.device.index, ctypes.byref(ptx), ctypes.byref(binary)) == 0
+    assert (ptx.value, binary.value) == expected, (
+        f"{mod.info['step']} on sm_{major}{minor}: the driver loaded code from PTX {ptx.value} as SASS {binary.value}, "
+        f"expected {code}: {expected}")
+
+
 # ---------------------------------------------------------------- streams
 
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at ~2 GHz: far longer than any step's call at these shapes
