@@ -1,4 +1,5 @@
-"""Timing: every step and torch SDPA's cuDNN / FLASH / EFFICIENT backends, in one run, on the same inputs.
+"""Timing: every step, torch SDPA's cuDNN / FLASH / EFFICIENT backends and, where it is installed,
+FlashAttention-3 (the `fa3-fwd` package), in one run, on the same inputs.
 
 What a user running a model for minutes gets is the steady state, not a boost-clock burst: the H200
 boosts to 1980 MHz when rested and settles lower under load (700 W power limit), and the kernels that
@@ -37,11 +38,43 @@ import time
 HEADS = 16
 HEAD_DIM = 128
 TOTAL_TOKENS = 16384
-SEQLENS_OF_RECORD = [1024, 2048, 4096, 8192, 16384]  # batch = 16384 / N (docs/ladder.md)
+# A video diffusion transformer's self-attention: Wan 2.1 at 480 x 832, 81 frames (a 21 x 60 x 104 latent), batch 1,
+# its 12 heads. Not a multiple of 128: the steps that need one (01-07) are not timed there.
+VIDEO_SEQLEN, VIDEO_HEADS = 32760, 12
+SEQLENS_OF_RECORD = [1024, 2048, 4096, 8192, 16384, VIDEO_SEQLEN]  # batch = 16384 / N (docs/ladder.md), and the video shape
 GEMM_N = 8192
 SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
+PEERS = ["fa3"]  # kernels from elsewhere, timed where installed (never a dependency of a step)
 LABELS = {"sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA FLASH (FA2)", "sdpa_efficient": "SDPA EFFICIENT",
-          "cublas_gemm": f"cuBLAS GEMM {GEMM_N}^3"}
+          "fa3": "FlashAttention-3", "cublas_gemm": f"cuBLAS GEMM {GEMM_N}^3"}
+
+
+def shape_of(seqlen: int) -> tuple[int, int, int]:
+    """(batch, heads, N) of a benchmark column: the video shape at VIDEO_SEQLEN, else 16384 tokens in batch = 16K/N."""
+    if seqlen == VIDEO_SEQLEN:
+        return 1, VIDEO_HEADS, seqlen
+    return max(1, TOTAL_TOKENS // seqlen), HEADS, seqlen
+
+
+def fa3_attention():
+    """FlashAttention-3's forward, as (attention(q, k, v, scale=None) -> (o, lse) on SDPA's [B, H, N, D] layout, None),
+    or (None, why) where the fa3-fwd package is not installed or does not load.
+
+    fa3-fwd is FA3's forward built on torch's stable ABI. Its interface module imports FA3's configuration under the
+    name `flash_attn_config`, which this wheel ships as `fa3_fwd_config`: the one-line alias below stands in for it."""
+    try:
+        import fa3_fwd_config
+        sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
+        import fa3_fwd_interface
+    except Exception as e:  # ImportError, or a library that does not load under this torch
+        return None, f"not installed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+    def attention(q, k, v, scale=None):
+        # FA3 takes [B, N, H, D] with a contiguous last dim: SDPA's [B, H, N, D] transposed, a view (no copy)
+        o, lse = fa3_fwd_interface.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   softmax_scale=scale, return_attn_probs=True)
+        return o.transpose(1, 2), lse
+    return attention, None
 
 
 def flops(batch: int, heads: int, seqlen: int, head_dim: int = HEAD_DIM) -> int:
@@ -420,7 +453,8 @@ def with_tflops(cell: dict, work: int) -> dict:
 
 def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=print, timing: Timing | None = None) -> dict:
     """impls: {name: attention(q, k, v)}. Returns {"timings": {name: {N: cell}}, "unavailable": {name: why},
-    "method": the timing settings}, with the SDPA backends and the cuBLAS GEMM added.
+    "not_timed": {name: {N: why}} (a step that does not take a shape, e.g. a seqlen that is not a multiple of its
+    tile), "method": the timing settings}, with the SDPA backends, FA3 (where installed) and the cuBLAS GEMM added.
 
     budget_s, the old benchmark's seconds of timed calls, sets the window's length (verify/variants.py)."""
     import torch
@@ -428,8 +462,12 @@ def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=prin
     if budget_s is not None:
         timing = dataclasses.replace(timing, window_s=budget_s)
     flush = L2Flush()
-    results: dict[str, dict] = {name: {} for name in [*impls, *SDPA_BACKENDS]}
-    errors: dict[str, str] = {}
+    fa3, why_not_fa3 = fa3_attention()
+    results: dict[str, dict] = {name: {} for name in [*impls, *SDPA_BACKENDS, *PEERS]}
+    errors: dict[str, str] = {} if fa3 else {"fa3": why_not_fa3}
+    not_timed: dict[str, dict] = {}
+    if not fa3:
+        log(f"  fa3              {why_not_fa3}")
     t_start = time.perf_counter()
     with ClockSampler() as sampler:
         if sampler.source:
@@ -437,25 +475,32 @@ def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=prin
         log(f"  timing: {timing.describe()}; SM clock and power from {sampler.source or 'nowhere (no NVML, no nvidia-smi)'}"
             + (f", read every {sampler.interval_s * 1e3:.0f} ms (settle spans {timing.settle_s:.2f} s)" if sampler.source else ""))
         for n in seqlens:
-            batch = TOTAL_TOKENS // n
+            batch, heads, _ = shape_of(n)
             gen = torch.Generator(device="cuda").manual_seed(n)
-            q, k, v = (torch.randn(batch, HEADS, n, HEAD_DIM, device="cuda", generator=gen).add_(0.5).to(torch.bfloat16)
+            q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", generator=gen).add_(0.5).to(torch.bfloat16)
                        for _ in range(3))
             fns = {name: (lambda f=f: f(q, k, v)) for name, f in impls.items()}
             for name, backend in SDPA_BACKENDS.items():
                 fns[name] = sdpa_fn(backend, q, k, v)
+            if fa3:  # on [B, N, H, D] copies, FA3's own layout, made once outside the timing
+                qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+                fns["fa3"] = lambda: fa3(qt, kt, vt)
             for name, fn in fns.items():
                 if name in errors:
                     continue
                 try:
                     cell = measure(fn, flush, sampler, timing)
+                except ValueError as e:  # the binding refuses this shape (e.g. N not a multiple of the step's tile)
+                    not_timed.setdefault(name, {})[n] = str(e).splitlines()[0]
+                    log(f"  N={n:<6} {name}: not timed: {not_timed[name][n]}")
+                    continue
                 except RuntimeError as e:  # a backend torch cannot run here: say so, keep going
                     errors[name] = str(e).splitlines()[0]
                     log(f"  {name:<16} unavailable: {errors[name]}")
                     continue
-                cell["batch"] = batch
-                results[name][n] = with_tflops(cell, flops(batch, HEADS, n))
-                log(log_line(f"N={n:<6} batch={batch:<3} {name}", cell))
+                cell["batch"], cell["heads"] = batch, heads
+                results[name][n] = with_tflops(cell, flops(batch, heads, n))
+                log(log_line(f"N={n:<6} batch={batch:<3} heads={heads:<3} {name}", cell))
         a, b = (torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gemm = with_tflops(measure(lambda: a @ b, flush, sampler, timing), 2 * GEMM_N**3)
         log(log_line(LABELS["cublas_gemm"], gemm))
@@ -464,4 +509,5 @@ def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=prin
     ended = collections.Counter(c["warmup_ended_by"] for c in cells)
     log(f"  benchmark: {time.perf_counter() - t_start:.0f} s, {len(cells)} measurements; warm-up ended by the clock settling "
         f"{ended['clock']}x, at the limit with the clock still falling {ended['cap']}x, without clock readings {ended['no clock']}x")
-    return {"timings": results, "unavailable": errors, "method": dataclasses.asdict(timing) | {"clock_source": sampler.source}}
+    return {"timings": results, "unavailable": errors, "not_timed": not_timed,
+            "method": dataclasses.asdict(timing) | {"clock_source": sampler.source}}

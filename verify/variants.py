@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     seqlens = args.seqlens
     res = bench.run(impls, seqlens, budget_s=args.budget)["timings"]
     print(f"\n{'':<22}" + "".join(f"{f'N={n}':>34}" for n in seqlens))
-    for name in [*names, *bench.SDPA_BACKENDS]:
+    for name in [*names, *bench.SDPA_BACKENDS, *bench.PEERS]:
         cells = [res.get(name, {}).get(n) for n in seqlens]
         print(f"{name:<22}" + "".join(cell_text(c) if c else f"{'-':>34}" for c in cells)
               + {"ok": "", "diag": "  (diagnostic)"}.get(errors.get(name, "ok"), "  CHECK FAILED"))

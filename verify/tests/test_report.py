@@ -28,17 +28,17 @@ def quick_never_settles(t):
 META = {"gpu": "Synthetic GPU", "driver": "0.0", "torch": "0.0", "torch_cuda": "0.0", "cudnn": 0, "nvcc": "0.0"}
 
 
-def synthetic_run(seqlens, steps=("step01", "step02"), capped=(), without=(), clock=True):
-    """Every step and SDPA backend at every N, each a little faster than the one before it."""
-    impls = [s for s in (*steps, *bench.SDPA_BACKENDS) if s not in without]
+def synthetic_run(seqlens, steps=("step01", "step02"), capped=(), without=(), clock=True, peers=()):
+    """Every step and SDPA backend (and the peers asked for) at every N, each a little faster than the one before it."""
+    impls = [s for s in (*steps, *bench.SDPA_BACKENDS, *peers) if s not in without]
     timings = {}
     for i, impl in enumerate(impls):
         timings[impl] = {}
         for n in seqlens:
-            batch = bench.TOTAL_TOKENS // n
+            batch, heads, _ = bench.shape_of(n)
             mhz_at = quick_never_settles if (impl, n) in capped else quick_fall
             _, _, cell = timed(mhz_at, timing=QUICK, clock=clock, call_s=FAST_S / (i + 1) * n / seqlens[0])
-            timings[impl][str(n)] = bench.with_tflops(cell | {"batch": batch}, bench.flops(batch, bench.HEADS, n))
+            timings[impl][str(n)] = bench.with_tflops(cell | {"batch": batch, "heads": heads}, bench.flops(batch, heads, n))
     _, _, gemm = timed(steady, timing=QUICK)
     timings["cublas_gemm"] = {str(bench.GEMM_N): bench.with_tflops(gemm, 2 * bench.GEMM_N**3)}
     return {"path": "results/synthetic.json", "meta": META, "steps": list(steps), "seqlens": list(seqlens),
@@ -46,7 +46,7 @@ def synthetic_run(seqlens, steps=("step01", "step02"), capped=(), without=(), cl
 
 
 def label(n):
-    return f"{n // 1024}K"
+    return "video" if n == bench.VIDEO_SEQLEN else f"{n // 1024}K"
 
 
 @pytest.mark.parametrize("seqlens", [[1024, 2048], [2048, 8192, 32768], bench.SEQLENS_OF_RECORD])
@@ -131,3 +131,33 @@ def test_every_committed_results_file_renders(path, tmp_path):
 
 def test_there_are_committed_results_files():
     assert RESULTS, "no results file under results/: test_every_committed_results_file_renders tests nothing"
+
+
+def test_fa3_column_is_each_row_over_fa3_at_every_shape():
+    run = synthetic_run(bench.SEQLENS_OF_RECORD, peers=("fa3",))
+    markdown = report.markdown_table(run)
+    header = markdown.splitlines()[0]
+    assert "× FA3 (" + "/".join(label(n) for n in bench.SEQLENS_OF_RECORD) + ")" in header
+    step02 = next(ln for ln in markdown.splitlines() if ln.startswith("| step02 "))
+    want = " / ".join(f"{report._tf(run, 'step02', n) / report._tf(run, 'fa3', n):.2f}" for n in bench.SEQLENS_OF_RECORD)
+    assert step02.rstrip(" |").endswith(want)
+    fa3_row = next(ln for ln in markdown.splitlines() if ln.startswith(f"| {bench.LABELS['fa3']} "))
+    assert fa3_row.endswith("|  |")  # FA3 is not shown over itself
+    assert "×FA3(" in report.console_table(run).splitlines()[0]
+    assert "FA3" not in report.markdown_table(synthetic_run(bench.SEQLENS_OF_RECORD)).splitlines()[0]
+
+
+def test_video_shape_has_its_own_batch_and_heads():
+    assert bench.shape_of(bench.VIDEO_SEQLEN) == (1, bench.VIDEO_HEADS, bench.VIDEO_SEQLEN)
+    assert bench.shape_of(4096) == (bench.TOTAL_TOKENS // 4096, bench.HEADS, 4096)
+    assert "video: batch 1, 12 heads, N = 32760" in report.timing_note(synthetic_run(bench.SEQLENS_OF_RECORD))
+
+
+def test_fa3_absent_is_said_not_raised():
+    try:
+        import fa3_fwd_interface  # noqa: F401
+        pytest.skip("fa3-fwd is installed here")
+    except ImportError:
+        pass
+    fn, why = bench.fa3_attention()
+    assert fn is None and why.startswith("not installed")
