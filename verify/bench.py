@@ -66,7 +66,7 @@ def fa3_attention():
         import fa3_fwd_config
         sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
         import fa3_fwd_interface
-    except Exception as e:  # ImportError, or a library that does not load under this torch
+    except ImportError as e:  # not installed, or its library does not load under this torch
         return None, f"not installed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
     def attention(q, k, v, scale=None):

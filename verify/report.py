@@ -155,8 +155,21 @@ def markdown_table(run: dict) -> str:
                      f"{_ratios(r['vs_cudnn'], seqlens)} | {_ratios(r['vs_flash'], seqlens)} |"
                      + (f" {_ratios(r['vs_fa3'], seqlens, _peer_shown(seqlens))} |" if with_fa3 else ""))
     lines.append("")
-    lines.append(timing_note(run))
+    lines.append(timing_note(run) + not_timed_note(run))
     return "\n".join(lines)
+
+
+def not_timed_note(run: dict) -> str:
+    """Why a cell is '-': the steps that do not take a shape, as the run recorded them."""
+    missing = run.get("not_timed") or {}
+    if not missing:
+        return ""
+    by_n: dict = {}
+    for impl, cells in missing.items():
+        for n in cells:
+            by_n.setdefault(int(n), []).append(impl)
+    parts = [f"{', '.join(impls)} at N={_label(n)}" for n, impls in sorted(by_n.items())]
+    return (f" Not timed (-), the length not a multiple of the step's tile: {'; '.join(parts)}.")
 
 
 def console_table(run: dict) -> str:
