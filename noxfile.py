@@ -1,7 +1,8 @@
 """nox sessions. `nox -s verify` is the main job (on a GPU machine); `nox -s tests` is CI's test command.
 
-`tests` installs requirements-verify.txt, the one list of what verify and its tests need, into a fresh venv.
-`verify` makes no venv: it runs in the Python that has the CUDA torch (see cuda_torch_python).
+`tests` installs requirements-verify.txt, the one list of what verify and its tests need, and
+requirements-capstone.txt, the capstone's optional one (diffusers, ...), into a fresh venv.
+`verify` and `capstone` make no venv: they run in the Python that has the CUDA torch (see cuda_torch_python).
 `nox --no-venv -s <session>` runs in the current environment and installs nothing.
 """
 import glob
@@ -14,14 +15,16 @@ import nox
 
 nox.options.sessions = ["tests"]
 REQUIREMENTS = ("-r", "requirements-verify.txt")
+CAPSTONE_REQUIREMENTS = ("-r", "requirements-capstone.txt")  # optional: python -m verify.capstone and its CPU tests
 TORCH_CI = "torch==2.13.0"  # CI's pin: its machine has this (CPU) wheel on disk
 
 
 @nox.session
 def tests(session):
-    """CPU-safe test suite: numerics model, every step compiled with nvcc, packaging, bad-input errors; GPU checks skip."""
+    """CPU-safe test suite: numerics model, every step compiled with nvcc, packaging, bad-input errors, the SDPA drop-in,
+    the capstone's parts on tiny models; GPU checks skip."""
     if session.venv_backend != "none":
-        session.install(TORCH_CI, *REQUIREMENTS)
+        session.install(TORCH_CI, *REQUIREMENTS, *CAPSTONE_REQUIREMENTS)
     session.run("python", "-m", "pytest", *session.posargs)
 
 
@@ -59,6 +62,18 @@ def verify(session):
                       "from, or run `python -m verify` in the environment that has one")
     session.log(f"verify runs in {python}: {torch_found}")
     session.run(python, "-m", "verify", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def capstone(session):
+    """The final step inside a video diffusion model (python -m verify.capstone), in the Python with the CUDA torch; it
+    needs requirements-capstone.txt there (and says so in one line where it is missing)."""
+    python, torch_found = cuda_torch_python(candidate_pythons())
+    if python is None:
+        session.error(f"no CUDA build of torch in {torch_found}: install one (>= 2.4) in the environment you run nox "
+                      "from, or run `python -m verify.capstone` in the environment that has one")
+    session.log(f"verify.capstone runs in {python}: {torch_found}")
+    session.run(python, "-m", "verify.capstone", *session.posargs)
 
 
 @nox.session

@@ -324,12 +324,21 @@ class FakeSession:
         self.ran.append(args)
 
 
-def test_nox_tests_installs_the_requirements_file_and_no_list_of_its_own(noxfile):
-    """requirements-verify.txt is the one list of what the tests need; the session adds only CI's torch pin."""
+def test_nox_tests_installs_the_requirements_files_and_no_list_of_its_own(noxfile):
+    """requirements-verify.txt is the one list of what the tests need, requirements-capstone.txt the capstone's optional
+    one (so that CI runs its CPU tests); the session adds only CI's torch pin."""
     session = FakeSession()
     noxfile.tests(session)
-    assert session.installed == [(noxfile.TORCH_CI, "-r", "requirements-verify.txt")]
+    assert session.installed == [(noxfile.TORCH_CI, "-r", "requirements-verify.txt", "-r", "requirements-capstone.txt")]
     assert session.ran == [("python", "-m", "pytest", "--steps", "5-7")]
+
+
+def test_nox_capstone_runs_in_the_python_with_the_cuda_torch(noxfile, tmp_path, monkeypatch):
+    cuda = fake_python(tmp_path / "venv/bin/python", "2.11.0+cu130 13.0")
+    monkeypatch.setattr(noxfile, "candidate_pythons", lambda: [fake_python(tmp_path / "python3", None), cuda])
+    session = FakeSession()
+    noxfile.capstone(session)
+    assert session.installed == [] and session.ran == [(cuda, "-m", "verify.capstone", "--steps", "5-7")]
 
 
 def test_nox_verify_runs_in_the_python_with_the_cuda_torch(noxfile, tmp_path, monkeypatch):

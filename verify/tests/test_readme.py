@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from verify import report
+from verify import capstone, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,3 +61,16 @@ def test_verify_cli_runs_without_a_gpu():
     import sys
     out = subprocess.run([sys.executable, "-m", "verify", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "--steps" in out.stdout, out.stderr
+
+
+def test_readme_capstone_section_is_generated_from_the_newest_run_of_record():
+    """The section between the capstone markers is what `python -m verify.capstone --report` makes of the newest full
+    run under results/ (a partial run, --quick or one shape, leaves it as it is), or says that none is recorded."""
+    text = (ROOT / "README.md").read_text()
+    run = capstone.newest_full_run(ROOT)
+    want = f"{capstone.README_BEGIN}\n{capstone.readme_section(run)}\n{capstone.README_END}"
+    assert want in text, ("README.md's capstone section is stale: run `python -m verify.capstone --report "
+                          f"{run['path'] if run else 'results/<gpu>/capstone-<timestamp>.json'}`")
+    section_ = section(text, "The capstone: the final step in a video diffusion model")
+    for cmd in ("pip install -r requirements-capstone.txt", "python -m verify.capstone", "--checkpoint", "--tiny-pipeline"):
+        assert cmd in section_, f"the capstone section no longer shows `{cmd}`"

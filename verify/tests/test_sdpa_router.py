@@ -1,0 +1,598 @@
+"""The SDPA drop-in (common/binding.py's route_reason and SdpaRouter; every step's `sdpa()`).
+
+CPU: what routes and what falls back, and why, from the call's metadata alone (route_reason on described meta
+tensors, a GPU faked where it matters); positional and keyword calls; the counts; strict mode; nested routers; a router
+inactive after its `with`, an exception included; nothing active after a step's import. A stand-in op (plain torch
+attention, on CPU) takes the routed calls, so that the routing runs end to end on CPU, in eager and under
+torch.compile (aot_eager: the graph as inductor would get it, without a C++ compiler), and the steps' own ops run on
+fake CUDA tensors and, under torch.compile, on meta tensors.
+GPU: a small DiT-like module routed to each step: every call within the step's bounds against the float64 reference
+(verify/checks.py), under torch.compile and in a CUDA graph too.
+"""
+import collections
+import importlib
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+from verify import steps as steps_mod  # noqa: E402
+from verify.tests.conftest import needs_gpu  # noqa: E402
+
+binding = importlib.import_module("binding")  # common/binding.py, on sys.path through verify.steps
+
+BF16 = torch.bfloat16
+LIMITS = binding.SdpaLimits("stepX", seqlen_multiple=(64, 64), archs=("sm_90a",))  # a step built for Hopper alone
+H200 = binding.Device("NVIDIA H200 (pretend)", 9, 0, 227 * 1024)
+RTX_4090 = binding.Device("NVIDIA GeForce RTX 4090 (pretend)", 8, 9, 99 * 1024)
+
+
+def meta(*shape, dtype=BF16, requires_grad=False):
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+
+
+def described(args, kwargs=None, device="cuda:0"):
+    """An SDPA call as route_reason reads it, its tensors moved (in their description) onto `device`."""
+    call = binding.sdpa_arguments(args, kwargs or {})
+    if call is None:
+        return None
+    out = {}
+    for name, value in call.items():
+        d = binding.describe(value)
+        out[name] = d._replace(device=torch.device(device)) if isinstance(d, binding.TensorMeta) else d
+    return out
+
+
+@pytest.fixture
+def on_h200(monkeypatch):
+    monkeypatch.setattr(binding, "_device_props", lambda index: H200)
+
+
+def qkv(b=1, h=2, n=128, nk=None, d=128, **kw):
+    nk = n if nk is None else nk
+    return meta(b, h, n, d, **kw), meta(b, h, nk, d, **kw), meta(b, h, nk, d, **kw)
+
+
+def transposed(b=1, n=128, h=2, d=128):
+    """The layout models pass: [batch, seqlen, heads, dim] storage, viewed as [batch, heads, seqlen, dim]."""
+    return meta(b, n, h, d).transpose(1, 2)
+
+
+ROUTES = {
+    "contiguous": lambda: (qkv(), {}),
+    "strided views (diffusers' layout)": lambda: ((transposed(), transposed(n=256), transposed(n=256)), {}),
+    "seqlen_q != seqlen_k": lambda: (qkv(n=64, nk=192), {}),
+    "scale as a keyword": lambda: (qkv(), {"scale": 0.05}),
+    "every default given": lambda: (qkv(), {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+                                            "enable_gqa": False}),
+    "all positional": lambda: ((*qkv(), None, 0.0, False), {}),
+    "enable_gqa with equal heads": lambda: (qkv(), {"enable_gqa": True}),
+    "needs grad, grad off": lambda: (qkv(requires_grad=True), {}),
+}
+
+
+@pytest.mark.parametrize("case", ROUTES)
+def test_what_routes(case, on_h200):
+    args, kwargs = ROUTES[case]()
+    assert binding.route_reason(described(args, kwargs), LIMITS, grad_enabled=False) is None
+
+
+FALLS_BACK = {
+    "cpu tensors": (lambda: (qkv(), {}), "cpu", "the tensors are on cpu; the step runs on cuda tensors"),
+    "attn_mask": (lambda: (qkv(), {"attn_mask": meta(128, 128)}), "cuda:0", "attn_mask is given: the step takes no mask"),
+    "dropout": (lambda: (qkv(), {"dropout_p": 0.1}), "cuda:0", "dropout_p=0.1: the step has no dropout"),
+    "causal": (lambda: (qkv(), {"is_causal": True}), "cuda:0", "is_causal=True: the step is non-causal"),
+    "gqa": (lambda: ((meta(1, 4, 128, 128), meta(1, 2, 128, 128), meta(1, 2, 128, 128)), {"enable_gqa": True}), "cuda:0",
+            "enable_gqa with 4 query heads and 2 key/value heads: the step needs as many key/value heads as query heads"),
+    "heads differ": (lambda: ((meta(1, 4, 128, 128), meta(1, 2, 128, 128), meta(1, 2, 128, 128)), {}), "cuda:0",
+                     "q and k/v must agree on [batch, heads], got (1, 4, 128, 128) and (1, 2, 128, 128)"),
+    "fp16": (lambda: (qkv(dtype=torch.float16), {}), "cuda:0",
+             "q has dtype torch.float16; flashladder computes in torch.bfloat16 only"),
+    "head dim 64": (lambda: (qkv(d=64), {}), "cuda:0", "head dim must be 128, q has shape (1, 2, 128, 64)"),
+    "3-D": (lambda: ((meta(2, 128, 128),) * 3, {}), "cuda:0",
+            "q must be 4-D [batch, heads, seqlen, 128], got shape (2, 128, 128)"),
+    "seqlen not a multiple": (lambda: (qkv(n=100), {}), "cuda:0",
+                              "q seqlen 100 is not supported: this step needs a multiple of 64"),
+    "last dim strided": (lambda: ((meta(1, 2, 128, 256)[..., ::2],) * 3, {}), "cuda:0",
+                         "q has strides (65536, 32768, 256, 2): the last dim must be contiguous (stride 1) and the other "
+                         "strides multiples of 8 elements (16 bytes); call .contiguous() first"),
+    "negative scale": (lambda: (qkv(), {"scale": -0.1}), "cuda:0", "scale must be a finite positive float, got -0.1"),
+    "bool scale": (lambda: (qkv(), {"scale": True}), "cuda:0", "scale must be a finite positive float, got True"),
+    "needs grad": (lambda: (qkv(requires_grad=True), {}), "cuda:0",
+                   "gradients are needed: the step computes no backward (run the model under torch.no_grad())"),
+    "not a tensor": (lambda: (([1.0], *qkv()[1:]), {}), "cuda:0", "query is list, not a strided tensor"),
+    "unknown keyword": (lambda: (qkv(), {"window": 3}), "cuda:0", "the arguments do not bind to SDPA's parameters"),
+    "scale by position": (lambda: ((*qkv(), None, 0.0, False, 0.3), {}), "cuda:0",  # keyword-only in SDPA
+                          "the arguments do not bind to SDPA's parameters"),
+    "too many arguments": (lambda: ((*qkv(), None, 0.0, False, None, False, 1), {}), "cuda:0",
+                           "the arguments do not bind to SDPA's parameters"),
+    "given twice": (lambda: (qkv(), {"query": meta(1, 2, 128, 128)}), "cuda:0", "the arguments do not bind to SDPA's parameters"),
+}
+
+
+@pytest.mark.parametrize("case", FALLS_BACK)
+def test_what_falls_back_and_why(case, on_h200):
+    make, device, reason = FALLS_BACK[case]
+    args, kwargs = make()
+    assert binding.route_reason(described(args, kwargs, device), LIMITS, grad_enabled=True) == reason
+
+
+def test_tensors_on_several_devices_fall_back():
+    call = described(qkv())
+    call["key"] = call["key"]._replace(device=torch.device("cuda", 1))
+    assert binding.route_reason(call, LIMITS, True) == \
+        "query, key and value are on several devices (cuda:0, cuda:1, cuda:0)"
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_tensor_falls_back():
+    nested = torch.nested.nested_tensor([torch.zeros(2, 64, 128), torch.zeros(2, 32, 128)], dtype=BF16)
+    assert binding.route_reason(described((nested, nested, nested)), LIMITS, False) == \
+        "query is a nested tensor, not a strided tensor"
+
+
+def test_a_gpu_the_step_cannot_run_on_falls_back_naming_it(monkeypatch):
+    monkeypatch.setattr(binding, "_device_props", lambda index: RTX_4090)
+    assert binding.route_reason(described(qkv()), LIMITS, False) == \
+        "needs an sm_90 GPU (H100/H200; built for sm_90a alone), but cuda:0 is NVIDIA GeForce RTX 4090 (pretend) (sm_89)"
+    small = LIMITS._replace(archs=("sm_80", "compute_80"), smem_bytes=100 * 1024)
+    assert binding.route_reason(described(qkv()), small, False) == (
+        "a block needs 102400 bytes (100 KB) of shared memory, but cuda:0 (NVIDIA GeForce RTX 4090 (pretend), sm_89) "
+        "offers 101376 bytes (99 KB) per block")
+
+
+def test_positional_and_keyword_calls_are_the_same_call():
+    q, k, v = qkv()
+    by_position = binding.sdpa_arguments((q, k, v, None, 0.0, False), {"scale": 0.5})
+    by_name = binding.sdpa_arguments((), {"value": v, "key": k, "query": q, "scale": 0.5})
+    mixed = binding.sdpa_arguments((q, k), {"value": v, "scale": 0.5})
+    assert by_position == by_name == mixed
+    assert by_name["query"] is q and by_name["scale"] == 0.5 and by_name["enable_gqa"] is False
+    assert binding.sdpa_arguments((q, k), {}) is None  # value missing: torch says so itself
+
+
+# ---------------------------------------------------------------- the router, end to end on CPU, with a stand-in op
+
+CALLS = collections.Counter()  # how often each stand-in op ran (eagerly, or its fake while tracing)
+
+
+@torch.library.custom_op("flashladder_test::attention", mutates_args=())
+def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention in float32, bf16 out: plays a step's op on CPU."""
+    CALLS["stand_in"] += 1
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return torch.matmul(s.softmax(-1), v.float()).to(q.dtype), s.logsumexp(-1)
+
+
+@stand_in.register_fake
+def _(q, k, v, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashladder_test::zeros", mutates_args=())
+def zeros_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Another stand-in, wrong on purpose: shows which op a compiled model calls."""
+    return torch.zeros_like(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
+
+
+@zeros_op.register_fake
+def _(q, k, v, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def stand_in_attention(q, k, v, scale):
+    return stand_in(q, k, v, scale)[0]
+
+
+def zeros_attention(q, k, v, scale):
+    return zeros_op(q, k, v, scale)[0]
+
+
+CPU_LIMITS = binding.SdpaLimits("cpu_stand_in", seqlen_multiple=(1, 1), devices=("cpu",))
+
+
+def router(strict=False, attention=stand_in_attention, limits=CPU_LIMITS):
+    return binding.SdpaRouter(attention, limits, strict, name="stand_in.sdpa")
+
+
+def cpu_qkv(b=1, h=2, n=40, nk=None, dtype=BF16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    nk = n if nk is None else nk
+    return tuple(torch.randn(b, h, m, 128, generator=gen).to(dtype) for m in (n, nk, nk))
+
+
+def reference(q, k, v, scale=None):
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return stand_in(q, k, v, scale)[0]
+
+
+def stack_depth() -> int:
+    return torch._C._len_torch_function_stack()
+
+
+def test_a_routed_call_runs_the_op_and_returns_o():
+    q, k, v = cpu_qkv(nk=24)
+    with router() as r:
+        before = CALLS["stand_in"]
+        o = F.scaled_dot_product_attention(q, k, v)
+        assert CALLS["stand_in"] == before + 1, "the routed call did not reach the op"
+    assert r.routed == 1 and not r.fallbacks
+    assert o.shape == q.shape and o.dtype == BF16
+    assert torch.equal(o, reference(q, k, v))
+
+
+def test_the_scale_goes_to_the_op():
+    q, k, v = cpu_qkv()
+    with router() as r:
+        o_kw = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+        o_pos = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=0.3)
+        o_default = F.scaled_dot_product_attention(q, k, v)
+    assert r.routed == 3
+    assert torch.equal(o_kw, reference(q, k, v, 0.3)) and torch.equal(o_pos, o_kw)
+    assert torch.equal(o_default, reference(q, k, v, 1 / math.sqrt(128))) and not torch.equal(o_default, o_kw)
+
+
+def test_a_call_that_falls_back_is_torch_s_own():
+    q, k, v = cpu_qkv()
+    mask = torch.zeros(40, 40, dtype=BF16)
+    want = [F.scaled_dot_product_attention(q.float(), k.float(), v.float()),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)]
+    before = CALLS["stand_in"]
+    with router() as r:
+        got = [F.scaled_dot_product_attention(q.float(), k.float(), v.float()),
+               F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+               F.scaled_dot_product_attention(q, k, v, is_causal=True)]
+    assert CALLS["stand_in"] == before, "a call that falls back reached the op"
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert r.routed == 0 and r.fallbacks == collections.Counter({
+        "q has dtype torch.float32; flashladder computes in torch.bfloat16 only": 1,
+        "attn_mask is given: the step takes no mask": 1,
+        "is_causal=True: the step is non-causal": 1})
+
+
+def test_calls_are_caught_however_sdpa_was_imported():
+    from torch.nn.functional import scaled_dot_product_attention as imported_early
+    q, k, v = cpu_qkv()
+    with router() as r:
+        imported_early(q, k, v)
+        torch._C._nn.scaled_dot_product_attention(q, k, v)
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert r.routed == 3
+
+
+def test_counts_and_repr():
+    q, k, v = cpu_qkv()
+    with router() as r:
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, v)
+        F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert r.routed == 3 and r.fallbacks == collections.Counter({"dropout_p=0.5: the step has no dropout": 2})
+    assert repr(r) == "<stand_in.sdpa(strict=False): 3 routed, 2 fell back>"
+
+
+def test_strict_raises_naming_the_reason_in_one_line_and_routes_the_rest():
+    q, k, v = cpu_qkv()
+    with router(strict=True) as r:
+        o = F.scaled_dot_product_attention(q, k, v)
+        with pytest.raises(binding.NotRouted) as e:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert str(e.value) == ("stand_in.sdpa(strict=True): a scaled_dot_product_attention call would fall back to torch: "
+                            "is_causal=True: the step is non-causal")
+    assert torch.equal(o, reference(q, k, v)) and r.routed == 1 and sum(r.fallbacks.values()) == 1
+
+
+def test_nested_routers_the_inner_decides_first():
+    """An inner router for seqlens of multiples of 64 only, in an outer one that takes any: a call of 40 queries falls
+    back from the inner to the outer, which routes it; a call of 64 the inner routes itself."""
+    inner_limits = CPU_LIMITS._replace(step="inner", seqlen_multiple=(64, 64))
+    with router() as outer, router(limits=inner_limits) as inner:
+        F.scaled_dot_product_attention(*cpu_qkv(n=40))
+        F.scaled_dot_product_attention(*cpu_qkv(n=64))
+    assert inner.routed == 1 and inner.fallbacks == collections.Counter(
+        {"q seqlen 40 is not supported: this step needs a multiple of 64": 1})
+    assert outer.routed == 1 and not outer.fallbacks
+
+
+def test_nested_routers_of_one_kind_the_innermost_counts():
+    q, k, v = cpu_qkv()
+    with router() as outer:
+        with router() as inner:
+            F.scaled_dot_product_attention(q, k, v)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert inner.routed == 1 and not inner.fallbacks
+    assert outer.routed == 0 and sum(outer.fallbacks.values()) == 1
+
+
+def test_a_router_is_off_after_its_with_and_after_an_exception():
+    q, k, v = cpu_qkv()
+    depth = stack_depth()
+    with router() as r:
+        assert stack_depth() == depth + 1
+        F.scaled_dot_product_attention(q, k, v)
+    assert stack_depth() == depth
+    F.scaled_dot_product_attention(q, k, v)
+    assert r.routed == 1, "a call after the with was routed"
+    with pytest.raises(ZeroDivisionError):
+        with router() as r2:
+            F.scaled_dot_product_attention(q, k, v)
+            1 / 0
+    assert stack_depth() == depth and not binding._active_routers()
+    F.scaled_dot_product_attention(q, k, v)
+    assert r2.routed == 1
+
+
+def test_importing_a_step_activates_nothing_and_its_router_falls_back_on_cpu(mod):
+    assert stack_depth() == 0, "importing a step left a torch function mode active"
+    q, k, v = cpu_qkv(n=mod.info["seqlen_multiple_q"] * mod.info["seqlen_multiple_k"])
+    with mod.sdpa() as r:
+        o = F.scaled_dot_product_attention(q, k, v)
+    assert isinstance(r, mod._binding.SdpaRouter) and r.name == f"{mod.__name__}.sdpa" and not r.strict
+    assert torch.equal(o, F.scaled_dot_product_attention(q, k, v))
+    assert r.routed == 0 and r.fallbacks == collections.Counter({"the tensors are on cpu; the step runs on cuda tensors": 1})
+    assert mod.sdpa(strict=True).strict
+
+
+def portable(mod) -> bool:
+    return steps_mod.build_step.targets_of(steps_mod.step_dir(mod.info["step"])).name == "sm80_and_later"
+
+
+@pytest.mark.parametrize("gpu", [H200, RTX_4090], ids=["h200", "rtx4090"])
+def test_a_step_takes_fake_cuda_tensors_on_a_gpu_it_runs_on(mod, monkeypatch, gpu):
+    """The step's own op behind its router, on fake CUDA tensors (no GPU needed): on a faked H200 every step routes
+    (its op's fake implementation gives O); on a faked RTX 4090 steps 01-07 route and the Hopper steps fall back,
+    saying why."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    monkeypatch.setattr(mod._binding, "_device_props", lambda index: gpu)
+    n = math.lcm(mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"], 64)
+    with FakeTensorMode():
+        q = torch.empty(1, 2, n, 128, dtype=BF16, device="cuda")
+        with mod.sdpa() as r:
+            o = F.scaled_dot_product_attention(q, q, q)
+    assert o.shape == q.shape and o.dtype == BF16
+    if gpu is H200 or portable(mod):
+        assert r.routed == 1 and not r.fallbacks, r.fallbacks
+    else:
+        assert r.routed == 0 and list(r.fallbacks) == [
+            "needs an sm_90 GPU (H100/H200; built for sm_90a alone), but cuda:0 is NVIDIA GeForce RTX 4090 (pretend) (sm_89)"]
+
+
+# ---------------------------------------------------------------- under torch.compile (CPU: aot_eager)
+
+class TwoAttentions(torch.nn.Module):
+    """Self-attention of bf16 heads of 128 (routes), then one in float32 (falls back), over a projection."""
+
+    def __init__(self, heads=2, scale=0.1):
+        super().__init__()
+        self.heads, self.scale = heads, scale
+        self.qkv = torch.nn.Linear(heads * 128, 3 * heads * 128, dtype=BF16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, 128)).unbind(2)  # [batch, seqlen, heads, 128] views
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        o32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        return (o.float() + o32).transpose(1, 2).flatten(2)
+
+
+@pytest.fixture
+def fresh_compile():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def recording_backend(graphs):
+    """aot_eager, keeping each graph dynamo hands it (to see which ops the compiled code calls)."""
+    from torch._dynamo.backends.registry import lookup_backend
+    aot_eager = lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+    return backend
+
+
+def test_under_torch_compile_the_decisions_are_traced_once(fresh_compile):
+    torch.manual_seed(0)
+    model = TwoAttentions()
+    x = torch.randn(1, 40, 256, dtype=BF16)
+    with torch.no_grad():
+        with router() as r_eager:
+            want = model(x)
+        graphs = []
+        compiled = torch.compile(model, backend=recording_backend(graphs), fullgraph=True)
+        with router() as r1:
+            got = compiled(x)
+        assert torch.allclose(got, want, atol=1e-3, rtol=1e-3), (got - want).abs().max()
+        assert r_eager.routed == r1.routed == 1 and r_eager.fallbacks == r1.fallbacks and sum(r1.fallbacks.values()) == 1
+        assert len(graphs) == 1 and "flashladder_test.attention" in str(graphs[0].graph), graphs[0].graph
+        # a new router of the same kind runs the compiled code as it is: nothing recompiles, nothing is decided again
+        with router() as r2:
+            again = compiled(x)
+        assert len(graphs) == 1, "a new router of the same kind recompiled the model"
+        assert torch.equal(again, got) and r2.routed == 0 and not r2.fallbacks
+        # another attention function is another router: the model recompiles, and calls that one
+        with router(attention=zeros_attention) as r3:
+            other = compiled(x)
+        assert len(graphs) == 2 and r3.routed == 1 and not torch.equal(other, got)
+        # and without a router, the model's SDPA calls go to torch again
+        plain = compiled(x)
+        assert len(graphs) == 3 and "flashladder_test" not in str(graphs[2].graph)
+        assert torch.allclose(plain, model(x), atol=1e-2, rtol=1e-2)
+
+
+def test_dynamic_shapes_are_made_static_for_the_decision(fresh_compile):
+    """torch.compile(dynamic=True): the sizes (and the scale, a float it need not specialize) are symbolic while it
+    traces; the router makes them concrete (guards), so each seqlen is decided, and compiled, for itself. (Making the
+    float concrete restarts the first trace, which then counts its calls twice: the counts of the traced calls.)"""
+    torch.manual_seed(0)
+    model = TwoAttentions(scale=0.07)
+    graphs = []
+    compiled = torch.compile(model, backend=recording_backend(graphs), fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for n in (40, 56, 72):
+            x = torch.randn(1, n, 256, dtype=BF16)
+            with router() as r:
+                got = compiled(x)
+            with router():
+                want = model(x)
+            assert r.routed >= 1 and list(r.fallbacks) == [
+                "q has dtype torch.float32; flashladder computes in torch.bfloat16 only"], (n, r)
+            assert torch.allclose(got, want, atol=1e-3, rtol=1e-3), n
+    assert len(graphs) >= 3  # one for each seqlen at least (the specialized float may add one)
+
+
+def test_strict_under_torch_compile_raises_while_tracing(fresh_compile):
+    """Even around a model compiled under a router that falls back: a strict one is another kind, and recompiles."""
+    model = TwoAttentions()
+    x = torch.randn(1, 40, 256, dtype=BF16)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), router() as r:
+        compiled(x)
+    assert sum(r.fallbacks.values()) == 1
+    with torch.no_grad(), pytest.raises(Exception) as e:
+        with router(strict=True):
+            compiled(x)
+    assert ("stand_in.sdpa(strict=True): a scaled_dot_product_attention call would fall back to torch: q has dtype "
+            "torch.float32; flashladder computes in torch.bfloat16 only") in str(e.value), str(e.value)
+
+
+def test_a_step_s_own_op_under_torch_compile_on_meta_tensors(mod, fresh_compile):
+    """The step's op in a compiled graph (fullgraph), traced and run on meta tensors: its router told that meta tensors
+    are what it takes, the step's limits otherwise."""
+    plain = mod.sdpa()
+    meta_router = mod._binding.SdpaRouter(plain.attention, plain.limits._replace(devices=("meta",)), True, name="meta.sdpa")
+    n = math.lcm(mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"], 64)
+    with torch.device("meta"):
+        model = TwoAttentions()
+        x = torch.empty(1, n, 256, dtype=BF16)
+    graphs = []
+    with torch.no_grad(), mod._binding.SdpaRouter(plain.attention, meta_router.limits, False, name="meta.sdpa") as r:
+        out = torch.compile(model, backend=recording_backend(graphs), fullgraph=True)(x)
+    assert out.shape == (1, n, 256) and out.device.type == "meta"
+    assert r.routed == 1 and sum(r.fallbacks.values()) == 1
+    assert len(graphs) == 1 and f"flashladder.{mod.info['step']}" in str(graphs[0].graph), graphs[0].graph
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="q has dtype torch.float32"):
+        with meta_router:  # strict: the float32 attention cannot go to the step
+            torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+
+
+# ---------------------------------------------------------------- GPU: a small DiT, routed to the step
+
+class TinyDiT(torch.nn.Module):
+    """A few DiT-like blocks (bf16, heads of 128): self-attention over the tokens, cross-attention to a context, an MLP,
+    in the layout diffusers' models pass to SDPA ([batch, seqlen, heads, 128] views)."""
+
+    def __init__(self, blocks=2, heads=2, context_dim=64):
+        super().__init__()
+        dim = heads * 128
+        self.heads = heads
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "qkv": torch.nn.Linear(dim, 3 * dim), "q": torch.nn.Linear(dim, dim), "kv": torch.nn.Linear(context_dim, 2 * dim),
+            "out1": torch.nn.Linear(dim, dim), "out2": torch.nn.Linear(dim, dim),
+            "norm": torch.nn.LayerNorm(dim), "mlp": torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
+                                                                        torch.nn.Linear(2 * dim, dim)),
+        }) for _ in range(blocks))
+
+    def split_heads(self, t, parts):
+        """[batch, seqlen, parts * heads * 128] -> `parts` views [batch, heads, seqlen, 128]."""
+        return [p.transpose(1, 2) for p in t.unflatten(-1, (parts, self.heads, 128)).unbind(2)]
+
+    def forward(self, x, context):
+        for b in self.blocks:
+            q, k, v = self.split_heads(b["qkv"](b["norm"](x)), 3)
+            x = x + b["out1"](F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+            (q,), (k, v) = self.split_heads(b["q"](x), 1), self.split_heads(b["kv"](context), 2)
+            x = x + b["out2"](F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+            x = x + b["mlp"](x)
+        return x
+
+
+def dit_inputs(mod, seed=0):
+    """Tokens and context lengths the step takes: ragged where it takes any seqlen, else multiples of its own."""
+    mq, mk = mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"]
+    n, ctx = (1000, 77) if mq == mk == 1 else (8 * math.lcm(mq, mk), 2 * mk)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, n, 256, generator=gen).to("cuda", BF16)
+    context = torch.randn(1, ctx, 64, generator=gen).to("cuda", BF16)
+    return x, context
+
+
+def tiny_dit():
+    torch.manual_seed(0)
+    return TinyDiT().to("cuda", BF16).eval().requires_grad_(False)
+
+
+class Recorder(torch.overrides.TorchFunctionMode):
+    """Innermost: sees each SDPA call first, passes it on (to the router), keeps its inputs and output."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is F.scaled_dot_product_attention:
+            self.calls.append((args, kwargs, out))
+        return out
+
+
+@needs_gpu
+def test_routed_calls_in_a_dit_are_within_the_step_s_bounds(mod):
+    from verify.checks import errors_of, prepare, replay
+    model, (x, context) = tiny_dit(), dit_inputs(mod)
+    with torch.no_grad(), mod.sdpa(strict=True) as r, Recorder() as rec:
+        model(x, context)
+    assert r.routed == len(rec.calls) == 4 and not r.fallbacks
+    for i, (args, kwargs, o) in enumerate(rec.calls):
+        q, k, v = args[:3]
+        case = prepare(q, k, v)
+        err = errors_of(case, o, torch.from_numpy(case.lse_ref))  # O judged; the drop-in returns no LSE
+        assert not err.failures(), f"call {i} ({tuple(q.shape)} x {tuple(k.shape)}): {'; '.join(err.failures())}; {replay()}"
+
+
+@needs_gpu
+def test_a_compiled_dit_routes_every_call(mod, fresh_compile):
+    model, (x, context) = tiny_dit(), dit_inputs(mod)
+    with torch.no_grad():
+        with mod.sdpa(strict=True) as r_eager:
+            want = model(x, context)
+        with mod.sdpa(strict=True) as r:
+            got = torch.compile(model, fullgraph=True)(x, context)
+    assert r.routed == r_eager.routed == 4 and not r.fallbacks
+    a, b = got.double().flatten(), want.double().flatten()
+    rel, cos = float((a - b).norm() / b.norm()), float(F.cosine_similarity(a, b, dim=0))
+    # inductor fuses the rest of the block (norms, GELU, residuals) otherwise than eager: close, not bitwise
+    assert rel < 2e-2 and cos > 0.9998, f"compiled against eager, both routed: relative error {rel:.3g}, cosine {cos:.6f}"
+
+
+@needs_gpu
+def test_a_dit_in_a_cuda_graph_routes_every_call(mod):
+    model, (x, context) = tiny_dit(), dit_inputs(mod)
+    static_x, static_ctx = x.clone(), context.clone()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), mod.sdpa(strict=True):
+            model(static_x, static_ctx)  # warm-up on a side stream, as CUDA-graph capture asks
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with mod.sdpa(strict=True) as r, torch.cuda.graph(graph):
+            static_out = model(static_x, static_ctx)
+        assert r.routed == 4 and not r.fallbacks
+        x2, ctx2 = dit_inputs(mod, seed=1)
+        static_x.copy_(x2)
+        static_ctx.copy_(ctx2)
+        graph.replay()
+        with mod.sdpa(strict=True):
+            want, first = model(x2, ctx2), model(x, context)
+        torch.cuda.synchronize()
+    a, b = static_out.double(), want.double()
+    rel = float((a - b).norm() / b.norm())  # the same kernels on the same inputs (cuBLAS may pick other algorithms)
+    assert rel < 1e-3, f"the graph's replay against the same model run eagerly with the router: relative error {rel:.3g}"
+    assert not torch.equal(static_out, first), "the replay did not compute on the new inputs"
