@@ -744,6 +744,8 @@ def sample_summary(result: dict) -> str:
     if result["sdpa_default_step_ms_median"] and result["step_ms_median"]:
         base = result["sdpa_default_step_ms_median"]
         per_step += f", {base:.0f} ms with SDPA default ({base / result['step_ms_median']:.3f}×)"
+        if not result["routed"]:
+            per_step += " (no call went to the step: both are torch's times)"
     return (f"{per_step}; {result['routed']} of {result['transformer_attention_calls']} transformer attention calls "
             f"routed, {sum(result['fallbacks'].values())} other calls went to torch "
             f"({'; '.join(f'{n}× {r}' for r, n in result['fallbacks'].items()) or 'none'}); "

@@ -327,6 +327,8 @@ def test_the_time_per_step_is_said_against_sdpa_default():
     assert capstone.sample_summary(result) == (
         "500 ms per denoising step with step14, 550 ms with SDPA default (1.100×); 6 of 6 transformer attention calls "
         "routed, 2 other calls went to torch (2× head dim must be 128); wrote a.mp4 and a.png")
+    on_cpu = dict(result, routed=0, fallbacks={"the tensors are on cpu": 6})
+    assert "(no call went to the step: both are torch's times)" in capstone.sample_summary(on_cpu)
 
 
 def test_an_eager_part_and_a_compile_part_merge_and_compile_settings_must_agree(cpu_run, tmp_path):
