@@ -53,27 +53,27 @@ def cuda_torch_python(candidates) -> tuple[str | None, str]:
 # The GPU machine's CUDA torch is large and preinstalled, often in a virtual or conda environment, with no package
 # index in reach. A venv made by nox would not see a torch inside another venv, so this session makes none: it runs
 # verify with the Python that has the CUDA torch, and installs nothing into it (verify says first what it lacks).
-@nox.session(venv_backend="none")
-def verify(session):
-    """Build, check and benchmark every step beside torch SDPA; writes results/ and the README table."""
+def run_in_cuda_torch_python(session, module: str) -> None:
+    """`python -m <module> <posargs>` in the first Python that has a CUDA torch, or one line saying there is none."""
     python, torch_found = cuda_torch_python(candidate_pythons())
     if python is None:
         session.error(f"no CUDA build of torch in {torch_found}: install one (>= 2.4) in the environment you run nox "
-                      "from, or run `python -m verify` in the environment that has one")
-    session.log(f"verify runs in {python}: {torch_found}")
-    session.run(python, "-m", "verify", *session.posargs)
+                      f"from, or run `python -m {module}` in the environment that has one")
+    session.log(f"{module} runs in {python}: {torch_found}")
+    session.run(python, "-m", module, *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def verify(session):
+    """Build, check and benchmark every step beside torch SDPA; writes results/ and the README table."""
+    run_in_cuda_torch_python(session, "verify")
 
 
 @nox.session(venv_backend="none")
 def capstone(session):
     """The final step inside a video diffusion model (python -m verify.capstone), in the Python with the CUDA torch; it
     needs requirements-capstone.txt there (and says so in one line where it is missing)."""
-    python, torch_found = cuda_torch_python(candidate_pythons())
-    if python is None:
-        session.error(f"no CUDA build of torch in {torch_found}: install one (>= 2.4) in the environment you run nox "
-                      "from, or run `python -m verify.capstone` in the environment that has one")
-    session.log(f"verify.capstone runs in {python}: {torch_found}")
-    session.run(python, "-m", "verify.capstone", *session.posargs)
+    run_in_cuda_torch_python(session, "verify.capstone")
 
 
 @nox.session

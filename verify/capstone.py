@@ -146,24 +146,12 @@ class Backend(NamedTuple):
 
 def fa3_attention():
     """FlashAttention-3's forward as the drop-in's attention function (q, k, v, scale) -> o, and where it came from;
-    (None, why) where none imports. First the fa3-fwd wheel as verify's benchmark loads it (verify.bench.fa3_attention),
-    then a FlashAttention-3 build's own flash_attn_interface. FA3 takes [batch, seqlen, heads, dim]: the SDPA layout's
-    transposed views."""
+    (None, why) where it does not import: the fa3-fwd package, loaded as verify's benchmark loads it."""
     from verify.bench import fa3_attention as fa3_of_the_benchmark
     attention, why = fa3_of_the_benchmark()
-    if attention is not None:
-        return (lambda q, k, v, scale: attention(q, k, v, scale)[0]), "fa3-fwd (fa3_fwd_interface)"
-    try:
-        module = importlib.import_module("flash_attn_interface")
-    except ImportError:
-        return None, why or "not installed"
-    flash_attn_func = module.flash_attn_func
-
-    def fa3(q, k, v, scale):
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
-        out = out[0] if isinstance(out, tuple) else out  # some FA3 builds return (out, lse)
-        return out.transpose(1, 2)
-    return fa3, f"flash_attn_interface ({getattr(module, '__file__', '?')})"
+    if attention is None:
+        return None, why
+    return (lambda q, k, v, scale: attention(q, k, v, scale)[0]), "fa3-fwd (fa3_fwd_interface)"
 
 
 def backends(step_mod, fa3=None) -> list[Backend]:

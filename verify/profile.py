@@ -33,23 +33,16 @@ METRICS = [
     ("  XU pipe (MUFU)", "smsp__inst_executed_pipe_xu.sum"),
     ("  tensor pipe (wgmma)", "sm__inst_executed_pipe_tensor_op_gmma.sum"),
     ("issue slots busy, % of active", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
-    ("tensor pipe active, % of elapsed", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed"),
     ("shared-memory wavefronts", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"),
     ("L2 bytes", "lts__t_bytes.sum"),
     ("HBM bytes read", "dram__bytes_read.sum"),
     ("HBM bytes written", "dram__bytes_write.sum"),
-    ("registers per thread", "launch__registers_per_thread"),
-    ("shared memory per block, bytes", "launch__shared_mem_per_block_dynamic"),
-    ("threads per block", "launch__block_size"),
-    ("grid size", "launch__grid_size"),
-    ("cluster size", "launch__cluster_size"),
 ]
 STALLS = ["barrier", "branch_resolving", "dispatch_stall", "drain", "lg_throttle", "long_scoreboard", "math_pipe_throttle",
           "membar", "mio_throttle", "misc", "no_instruction", "not_selected", "selected", "short_scoreboard", "sleeping",
           "tex_throttle", "wait"]
 STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
-PER_CALL = {"smsp__issue_active.avg.pct_of_peak_sustained_active",
-            "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed"}
+PER_CALL = {"smsp__issue_active.avg.pct_of_peak_sustained_active"}
 
 
 def one_call(impl: str, shape: tuple[int, int, int], warm: int = 5) -> None:
@@ -162,7 +155,7 @@ def main(argv=None) -> int:
             v = results[x].get(m)
             if v is None:
                 cells.append(f"{'-':>26}")
-            elif m in PER_CALL or m.startswith(("launch__", "smsp__average_warps")):
+            elif m in PER_CALL or m.startswith("smsp__average_warps"):
                 cells.append(f"{v:>26.3g}" if m.startswith("smsp__average") else f"{v:>26,.4g}")
             else:
                 cells.append(f"{v:>14.4g} [{v / blocks:>9.1f}]")

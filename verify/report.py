@@ -76,11 +76,6 @@ def _ratios(d: dict, seqlens, shown=None) -> str:
     return " / ".join(_fmt(d.get(n), ".2f") for n in (shown or _headline(seqlens))) if d else ""
 
 
-def _peer_shown(seqlens) -> list[int]:
-    """Where the ratio to FA3 is shown: every N run (its target holds at each shape of record)."""
-    return list(seqlens)
-
-
 def shapes_in_words(seqlens) -> str:
     words = f"batch = {TOTAL_TOKENS // 1024}K/N, {HEADS} heads, d = {HEAD_DIM}"
     if VIDEO_SEQLEN in seqlens:
@@ -140,7 +135,7 @@ def markdown_table(run: dict) -> str:
     heads = "/".join(_label(n) for n in _headline(seqlens))
     rs = rows(run)
     with_fa3 = any(r["impl"] == "fa3" for r in rs)
-    every = "/".join(_label(n) for n in _peer_shown(seqlens))
+    every = "/".join(_label(n) for n in list(seqlens))
     lines = [
         f"| | {' | '.join(f'N={_label(n)}' for n in seqlens)} | × previous step ({heads}) | × cuDNN ({heads}) | × FLASH ({heads}) |"
         + (f" × FA3 ({every}) |" if with_fa3 else ""),
@@ -153,7 +148,7 @@ def markdown_table(run: dict) -> str:
         cells = [_fmt(r["tflops"][n], ".0f") for n in seqlens]
         lines.append(f"| {name} | {' | '.join(cells)} | {_ratios(r['vs_prev'], seqlens)} | "
                      f"{_ratios(r['vs_cudnn'], seqlens)} | {_ratios(r['vs_flash'], seqlens)} |"
-                     + (f" {_ratios(r['vs_fa3'], seqlens, _peer_shown(seqlens))} |" if with_fa3 else ""))
+                     + (f" {_ratios(r['vs_fa3'], seqlens, list(seqlens))} |" if with_fa3 else ""))
     lines.append("")
     lines.append(timing_note(run) + not_timed_note(run))
     return "\n".join(lines)
@@ -177,7 +172,7 @@ def console_table(run: dict) -> str:
     heads = "/".join(_label(n) for n in _headline(seqlens))
     rs = rows(run)
     with_fa3 = any(r["impl"] == "fa3" for r in rs)
-    every = "/".join(_label(n) for n in _peer_shown(seqlens))
+    every = "/".join(_label(n) for n in list(seqlens))
     ratio_w = max(len(f"×prev({heads})"), *(len(_ratios(r["vs_prev"], seqlens)) for r in rs))
     cudnn_w = max(len(f"×cuDNN({heads})"), *(len(_ratios(r["vs_cudnn"], seqlens)) for r in rs))
     head = (f"{'':<18}" + "".join(f"{f'N={_label(n)}':>9}" for n in seqlens)
@@ -185,7 +180,7 @@ def console_table(run: dict) -> str:
     out = [head.rstrip(), "-" * len(head.rstrip())]
     for r in rs:
         flag = "" if not r["checks"] or r["checks"] == "passed" else f"  [checks {r['checks']}]"
-        fa3 = f"   {_ratios(r['vs_fa3'], seqlens, _peer_shown(seqlens))}" if with_fa3 and r["vs_fa3"] else ""
+        fa3 = f"   {_ratios(r['vs_fa3'], seqlens, list(seqlens))}" if with_fa3 and r["vs_fa3"] else ""
         out.append((f"{r['label']:<18}" + "".join(f"{_fmt(r['tflops'][n], '9.1f')}" for n in seqlens)
                     + f"   {_ratios(r['vs_prev'], seqlens):<{ratio_w}}   {_ratios(r['vs_cudnn'], seqlens):<{cudnn_w}}{fa3}").rstrip()
                    + flag)
