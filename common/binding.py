@@ -37,7 +37,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 HEAD_DIM = 128
-ABI_VERSION = 3      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
+ABI_VERSION = 4      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
+FEATURE_CAUSAL, FEATURE_GQA = 1, 2  # bits of flashladder_features() (common/flashladder.cuh)
+# The `causal` argument: False (every key), or which corner the diagonal starts from when seqlen_q != seqlen_k:
+# "top_left" (SDPA's is_causal=True: row i sees keys 0..i) or "bottom_right" (torch's causal_lower_right, a KV cache's:
+# the last row sees every key). The kernel gets the second number: row i sees key j iff j <= i + offset.
+CAUSAL = {"top_left": 1, "bottom_right": 2}
 MAX_GRID_YZ = 65535  # heads and batch are the grid's y and z dimensions
 MAX_ROW_STRIDE = 2**24  # in-tile offsets (row < 128) * row stride stay below 2^31
 ALIGN = {"q": 16, "k": 16, "v": 16, "o": 16, "lse": 4}  # bytes: 16-byte vector copies of rows; lse is per float
@@ -53,6 +58,7 @@ class FwdParams(ctypes.Structure):
         ("batch", ctypes.c_int32), ("heads", ctypes.c_int32),
         ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
         ("scale", ctypes.c_float),
+        ("heads_k", ctypes.c_int32), ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
     ]
 
 
@@ -77,6 +83,8 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib.flashladder_loaded_code.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
     if hasattr(lib, "flashladder_smem_bytes"):
         lib.flashladder_smem_bytes.restype = ctypes.c_int
+    if hasattr(lib, "flashladder_features"):
+        lib.flashladder_features.restype = ctypes.c_int
     if lib.flashladder_params_size() != ctypes.sizeof(FwdParams):
         raise ImportError(f"{path}: sizeof(FwdParams) is {lib.flashladder_params_size()} in the library but "
                           f"{ctypes.sizeof(FwdParams)} in the binding's ctypes mirror: the two disagree, fix the mirror")
@@ -107,6 +115,27 @@ def check_types(step: str, scale, **tensors) -> float:
         raise ValueError(f"flashladder.{step}: scale {scale!r} overflows float32 (the kernels take a float32 scale)") from None
 
 
+def check_causal(step: str, causal, features: int) -> int:
+    """The `causal` argument as the op's integer: 0 (False or None), 1 ("top_left"), 2 ("bottom_right"). Raises for
+    anything else, and for causal attention on a step without it (flashladder_features)."""
+    if causal is None or causal is False:
+        return 0
+    if isinstance(causal, str) and causal in CAUSAL:
+        if not features & FEATURE_CAUSAL:
+            raise ValueError(f"flashladder.{step}: this step is non-causal (causal={causal!r}); causal masks come in step15")
+        return CAUSAL[causal]
+    raise ValueError(f"flashladder.{step}: causal={causal!r}: give False, 'top_left' (SDPA's is_causal=True: row i sees "
+                     "keys 0..i) or 'bottom_right' (torch's causal_lower_right: the last row sees every key)")
+
+
+def check_causal_code(step: str, causal: int, features: int) -> None:
+    """The op's integer form of `causal` (check_causal makes it), as the op receives it."""
+    if isinstance(causal, bool) or causal not in (0, *CAUSAL.values()):
+        raise ValueError(f"flashladder.{step}: causal={causal!r}: the op takes 0 (none), 1 (top left) or 2 (bottom right)")
+    if causal and not features & FEATURE_CAUSAL:
+        raise ValueError(f"flashladder.{step}: this step is non-causal (causal={causal}); causal masks come in step15")
+
+
 def check_scale(step: str, scale: float) -> None:
     """Positive (the kernels take the running max on the raw scores: max(s*scale) = max(s)*scale) and finite
     and non-zero once rounded to float32, the kernels' type for it (1e39 would become inf, 1e-50 zero)."""
@@ -122,7 +151,7 @@ def check_scale(step: str, scale: float) -> None:
         raise ValueError(f"flashladder.{step}: scale {scale!r} rounds to 0 in float32 (the kernels take a float32 scale)")
 
 
-def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, devices=("cuda",)) -> None:
+def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, devices=("cuda",), features: int = 0) -> None:
     """Everything about the tensors' metadata that the kernel relies on. Raises, naming the problem.
 
     Works on fake tensors too (torch.compile traces it; `devices` then also admits meta tensors); pointer
@@ -140,8 +169,14 @@ def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, d
             raise ValueError(f"{where}: head dim must be {HEAD_DIM}, {name} has shape {tuple(t.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"{where}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[:2] != k.shape[:2]:
-        raise ValueError(f"{where}: q and k/v must agree on [batch, heads], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if features & FEATURE_GQA:  # grouped heads: k/v's heads divide q's
+        heads, heads_k = q.shape[1], k.shape[1]
+        if q.shape[0] != k.shape[0] or not (heads_k == heads or heads_k > 0 and heads % heads_k == 0):
+            raise ValueError(f"{where}: q and k/v must agree on batch, and k/v's heads must divide q's, "
+                             f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    elif q.shape[:2] != k.shape[:2]:
+        raise ValueError(f"{where}: q and k/v must agree on [batch, heads], got {tuple(q.shape)} and {tuple(k.shape)} "
+                         "(fewer key/value heads than query heads: step15 takes them)")
     batch, heads, seqlen_q, seqlen_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     for name, n, mult in (("q", seqlen_q, seqlen_multiple[0]), ("k/v", seqlen_k, seqlen_multiple[1])):
         if n % mult != 0:
@@ -288,13 +323,14 @@ def check_launch(step: str, tensors: dict, archs: list, smem_bytes: Optional[int
                              "(a view at an odd offset?); call .contiguous() first")
 
 
-def make_params(q, k, v, o, lse, scale: float) -> FwdParams:
-    """FwdParams for one launch; strides as the checks saw them (kernel_strides)."""
+def make_params(q, k, v, o, lse, scale: float, causal: int = 0) -> FwdParams:
+    """FwdParams for one launch; strides as the checks saw them (kernel_strides); causal as check_causal gives it."""
     def strides(t):
         return (ctypes.c_int64 * 3)(*kernel_strides(t))
+    offset = k.shape[2] - q.shape[2] if causal == CAUSAL["bottom_right"] else 0
     return FwdParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                      strides(q), strides(k), strides(v), strides(o),
-                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale)
+                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset)
 
 
 def no_cuda_reason() -> Optional[str]:
@@ -349,6 +385,8 @@ def describe(value):
     decision stays a constant of the compiled code even with dynamic shapes."""
     if not isinstance(value, torch.Tensor):
         return constant(value)
+    if (mask := _causal_mask(value)) is not None:
+        return mask
     if value.is_nested:
         return "a nested tensor"
     if value.layout != torch.strided:
@@ -396,6 +434,29 @@ class SdpaLimits(NamedTuple):
     archs: Optional[tuple] = None  # the GPU codes of its library (info["archs"]), checked against a CUDA tensor's GPU
     smem_bytes: Optional[int] = None  # shared memory a block asks for (info["smem_bytes"]; None: fits every GPU)
     devices: tuple = ("cuda",)   # device types it runs on (the CPU tests add "cpu" or "meta" for a stand-in op)
+    features: int = 0            # FEATURE_CAUSAL | FEATURE_GQA: info["causal"], info["gqa"]
+
+
+class CausalMask(NamedTuple):
+    """An attn_mask that is torch's causal bias (torch.nn.attention.bias.causal_upper_left / causal_lower_right), as
+    describe() gives it to the router: which diagonal, and the lengths it was made for."""
+    alignment: str  # "top_left" or "bottom_right" (CAUSAL)
+    seqlen_q: int
+    seqlen_k: int
+
+
+def _causal_mask(value) -> Optional[CausalMask]:
+    """value as a CausalMask if it is torch's CausalBias (imported only when a tensor subclass comes by)."""
+    if type(value) is torch.Tensor:
+        return None
+    try:
+        from torch.nn.attention.bias import CausalBias, CausalVariant
+    except ImportError:  # a torch without it
+        return None
+    if not isinstance(value, CausalBias):
+        return None
+    alignment = "top_left" if value.variant == CausalVariant.UPPER_LEFT else "bottom_right"
+    return CausalMask(alignment, constant(value.seq_len_q), constant(value.seq_len_kv))
 
 
 def _reason(error: Exception, step: str) -> str:
@@ -419,23 +480,36 @@ def route_reason(call: Optional[dict], limits: SdpaLimits, grad_enabled: bool) -
         return f"query, key and value are on several devices ({q.device}, {k.device}, {v.device})"
     if q.device.type not in limits.devices:
         return f"the tensors are on {q.device.type}; the step runs on {' or '.join(limits.devices)} tensors"
-    if call["attn_mask"] is not None:
+    mask = call["attn_mask"]
+    if isinstance(mask, CausalMask):
+        if not limits.features & FEATURE_CAUSAL:
+            return f"attn_mask is a causal bias ({mask.alignment}): the step is non-causal"
+        if call["is_causal"] is not False:
+            return "attn_mask and is_causal are both given"
+        if len(q.shape) == len(k.shape) == 4 and (mask.seqlen_q, mask.seqlen_k) != (q.shape[2], k.shape[2]):
+            return (f"the causal bias was made for {mask.seqlen_q} x {mask.seqlen_k}, the call has "
+                    f"{q.shape[2]} x {k.shape[2]}")
+    elif mask is not None:
         return "attn_mask is given: the step takes no mask"
     dropout = call["dropout_p"]
     if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or dropout != 0:
         return f"dropout_p={dropout!r}: the step has no dropout"
-    if call["is_causal"] is not False:
+    if call["is_causal"] is not False and not (call["is_causal"] is True and limits.features & FEATURE_CAUSAL):
         return f"is_causal={call['is_causal']!r}: the step is non-causal"
-    if call["enable_gqa"] and len(q.shape) == len(k.shape) == 4 and q.shape[1] != k.shape[1]:
-        return (f"enable_gqa with {q.shape[1]} query heads and {k.shape[1]} key/value heads: the step needs as many "
-                "key/value heads as query heads")
+    if len(q.shape) == len(k.shape) == 4 and q.shape[1] != k.shape[1]:
+        if not call["enable_gqa"]:
+            return (f"{q.shape[1]} query heads and {k.shape[1]} key/value heads without enable_gqa "
+                    "(torch broadcasts a single key/value head and refuses other counts; the step leaves it to torch)")
+        if not limits.features & FEATURE_GQA:
+            return (f"enable_gqa with {q.shape[1]} query heads and {k.shape[1]} key/value heads: the step needs as many "
+                    "key/value heads as query heads")
     if grad_enabled and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "gradients are needed: the step computes no backward (run the model under torch.no_grad())"
     try:
         check_scale(limits.step, check_types(limits.step, call["scale"]))
         # The op's own checks of the tensors, on meta tensors of the same shapes, strides and dtypes.
         stand_ins = [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device="meta") for t in (q, k, v)]
-        check_inputs(limits.step, limits.seqlen_multiple, *stand_ins, devices=("meta",))
+        check_inputs(limits.step, limits.seqlen_multiple, *stand_ins, devices=("meta",), features=limits.features)
         if q.device.type == "cuda" and limits.archs is not None:  # the GPU: the library has code for it, and the memory
             index = q.device.index if q.device.index is not None else torch.cuda.current_device()
             check_device(limits.step, list(limits.archs), limits.smem_bytes, _device_props(index), f"cuda:{index}")
@@ -493,7 +567,7 @@ class SdpaRouter(TorchFunctionMode):
 
     def __init__(self, attention, limits: SdpaLimits, strict: bool = False, name: Optional[str] = None):
         super().__init__()
-        self.attention = attention  # (q, k, v, scale: float) -> o, for the calls route_reason lets through
+        self.attention = attention  # (q, k, v, scale: float, causal=False | "top_left" | "bottom_right") -> o
         self.limits = limits
         self.strict = bool(strict)
         self.name = name or f"flashladder.{limits.step}.sdpa"
@@ -532,9 +606,10 @@ class SdpaRouter(TorchFunctionMode):
         described = None if call is None else tuple((name, describe(value)) for name, value in call.items())
         if _decide(self.key, described, torch.is_grad_enabled()) is not None:
             return func(*args, **kwargs)
-        scale = call["scale"]
+        scale, mask = call["scale"], describe(call["attn_mask"])
+        causal = mask.alignment if isinstance(mask, CausalMask) else "top_left" if call["is_causal"] else False
         return self.attention(call["query"], call["key"], call["value"],
-                              1.0 / math.sqrt(HEAD_DIM) if scale is None else float(scale))
+                              1.0 / math.sqrt(HEAD_DIM) if scale is None else float(scale), causal=causal)
 
 
 def bind_step(module_name: str):
@@ -547,12 +622,14 @@ def bind_step(module_name: str):
     archs = lib.flashladder_archs().decode().split(",")  # e.g. sm_80,...,sm_120,compute_80 (common/build_step.py)
     # Dynamic shared memory per block, exported by the steps that run on GPUs with less of it than Hopper's 227 KB.
     smem_bytes = lib.flashladder_smem_bytes() if hasattr(lib, "flashladder_smem_bytes") else None
+    # What the step takes beyond dense attention with equal heads (FEATURE_CAUSAL, FEATURE_GQA).
+    features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
     # Said at import, so that it comes before torch's own error at the first CUDA call (e.g. torch.randn(device="cuda")).
     if why := no_cuda_reason():  # stacklevel 3: the line that imports the step (pkg/__init__.py calls this)
         warnings.warn(f"flashladder.{step}: {why}; the kernel runs on {runs_on(archs)} with a CUDA build of torch",
                       stacklevel=3)
 
-    def launch(q, k, v, o, lse, scale: float) -> None:
+    def launch(q, k, v, o, lse, scale: float, causal: int) -> None:
         if q.numel() == 0:  # batch, heads or seqlen_q is 0: nothing to compute (as SDPA: empty outputs)
             return
         tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
@@ -562,7 +639,7 @@ def bind_step(module_name: str):
             lse.fill_(-math.inf)
             return
         check_launch(step, tensors, archs, smem_bytes)
-        params = make_params(q, k, v, o, lse, scale)
+        params = make_params(q, k, v, o, lse, scale, causal)
         with torch.cuda.device(q.device):
             stream = torch.cuda.current_stream(q.device).cuda_stream
             err = lib.flashladder_fwd(ctypes.byref(params), ctypes.c_void_p(stream))
@@ -572,57 +649,66 @@ def bind_step(module_name: str):
 
     # No device_types: the op takes tensors on any device, so that a CPU tensor meets check_inputs' clear
     # message instead of the dispatcher's "could not run ... with arguments from the 'CPU' backend".
-    @torch.library.custom_op(f"flashladder::{step}", mutates_args=())
-    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def checked(q, k, v, o, lse, scale, causal, devices=("cuda",)):
         check_scale(step, scale)
-        check_inputs(step, seqlen_multiple, q, k, v)
+        check_causal_code(step, causal, features)
+        check_inputs(step, seqlen_multiple, q, k, v, o, lse, devices=devices, features=features)
+
+    @torch.library.custom_op(f"flashladder::{step}", mutates_args=())
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        checked(q, k, v, None, None, scale, causal)
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        launch(q, k, v, o, lse, scale)
+        launch(q, k, v, o, lse, scale, causal)
         return o, lse
 
     @fwd.register_fake
-    def _(q, k, v, scale):
-        check_scale(step, scale)
-        check_inputs(step, seqlen_multiple, q, k, v, devices=("cuda", "meta"))
+    def _(q, k, v, scale, causal=0):
+        checked(q, k, v, None, None, scale, causal, devices=("cuda", "meta"))
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.custom_op(f"flashladder::{step}_out", mutates_args=("o", "lse"))
-    def fwd_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
-        check_scale(step, scale)
-        check_inputs(step, seqlen_multiple, q, k, v, o, lse)
-        launch(q, k, v, o, lse, scale)
+    def fwd_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float,
+                causal: int = 0) -> None:
+        checked(q, k, v, o, lse, scale, causal)
+        launch(q, k, v, o, lse, scale, causal)
 
     @fwd_out.register_fake
-    def _(q, k, v, o, lse, scale):
-        check_scale(step, scale)
-        check_inputs(step, seqlen_multiple, q, k, v, o, lse, devices=("cuda", "meta"))
+    def _(q, k, v, o, lse, scale, causal=0):
+        checked(q, k, v, o, lse, scale, causal, devices=("cuda", "meta"))
 
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None):
-        """O = softmax(q k^T * scale) v and LSE = logsumexp(q k^T * scale) (natural log).
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None, causal=False):
+        """O = softmax(q k^T * scale + mask) v and LSE = logsumexp(q k^T * scale + mask) (natural log).
 
-        q: bf16 [batch, heads, seqlen_q, 128]; k, v: bf16 [batch, heads, seqlen_k, 128], on one GPU that the step
-        runs on (info["archs"]).
+        q: bf16 [batch, heads, seqlen_q, 128]; k, v: bf16 [batch, heads_k, seqlen_k, 128], on one GPU that the step
+        runs on (info["archs"]); heads_k = heads, or (info["gqa"]) a divisor of it: query head h reads key/value head
+        h // (heads // heads_k).
+        causal (info["causal"]): False, or the diagonal's corner: "top_left" (SDPA's is_causal=True: row i sees keys
+        0..i) or "bottom_right" (torch's causal_lower_right: row i sees keys 0..i + seqlen_k - seqlen_q). A row that
+        sees no key gets o = 0 and lse = -inf.
         Returns (o: bf16 [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]).
         scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
         Empty inputs (batch, heads or seqlen_q of 0) give empty outputs without a launch; with seqlen_k = 0
         every row has no key: o = 0 and lse = -inf (what softmax over nothing tends to; no launch either).
         """
-        return fwd(q, k, v, check_types(step, scale, q=q, k=k, v=v))
+        scale = check_types(step, scale, q=q, k=k, v=v)
+        return fwd(q, k, v, scale, check_causal(step, causal, features))
 
-    def attention_out(q, k, v, o, lse, scale: Optional[float] = None) -> None:
+    def attention_out(q, k, v, o, lse, scale: Optional[float] = None, causal=False) -> None:
         """attention(), writing into caller-provided contiguous o (bf16) and lse (float32)."""
-        fwd_out(q, k, v, o, lse, check_types(step, scale, q=q, k=k, v=v, o=o, lse=lse))
+        scale = check_types(step, scale, q=q, k=k, v=v, o=o, lse=lse)
+        fwd_out(q, k, v, o, lse, scale, check_causal(step, causal, features))
 
-    limits = SdpaLimits(step, seqlen_multiple, tuple(archs), smem_bytes)
+    limits = SdpaLimits(step, seqlen_multiple, tuple(archs), smem_bytes, features=features)
 
-    def routed(q, k, v, scale: float) -> torch.Tensor:
-        return fwd(q, k, v, scale)[0]  # SDPA returns O alone
+    def routed(q, k, v, scale: float, causal=False) -> torch.Tensor:
+        return fwd(q, k, v, scale, check_causal(step, causal, features))[0]  # SDPA returns O alone
 
     def sdpa(strict: bool = False) -> SdpaRouter:
         """A drop-in for torch's SDPA: `with sdpa() as r: model(x)` sends each torch.nn.functional.scaled_dot_product_attention
         call that this step can take (CUDA, bf16, head dim 128, [batch, heads, seqlen, 128] with a contiguous last dim,
-        equal heads, no mask, no dropout, not causal, no gradients needed, `scale` any positive float, the seqlens
+        equal heads (or, info["gqa"], fewer key/value heads with enable_gqa=True), no mask (info["causal"]: but is_causal=True
+        or torch's causal bias), no dropout, no gradients needed, `scale` any positive float, the seqlens
         this step takes, a GPU it runs on) to it, and every other call to torch unchanged. r.routed counts the calls
         routed, r.fallbacks (a Counter) the others by reason; strict=True raises NotRouted for a call it cannot take
         instead. Works in eager, under torch.compile and in CUDA-graph capture (SdpaRouter says how each counts)."""
@@ -631,6 +717,7 @@ def bind_step(module_name: str):
     attention.__module__ = attention_out.__module__ = sdpa.__module__ = module_name
     info = {"step": step, "seqlen_multiple_q": seqlen_multiple[0], "seqlen_multiple_k": seqlen_multiple[1],
             "tile_q": tile[0], "tile_k": tile[1], "archs": archs, "runs_on": runs_on(archs), "smem_bytes": smem_bytes,
+            "causal": bool(features & FEATURE_CAUSAL), "gqa": bool(features & FEATURE_GQA),
             "library": lib._name,
             "ptxas_report": (Path(lib._name).parent / "_ptxas.txt").read_text()
             if (Path(lib._name).parent / "_ptxas.txt").exists() else ""}

@@ -16,8 +16,9 @@
 #define FLASHLADDER_EXPORT extern "C" __attribute__((visibility("default")))
 
 // Bumped when FwdParams or the exported functions change; the binding refuses a mismatched .so.
-// (3: flashladder_archs and flashladder_loaded_code; flashladder_smem_bytes in the steps that run beyond Hopper.)
-#define FLASHLADDER_ABI_VERSION 3
+// (3: flashladder_archs and flashladder_loaded_code; flashladder_smem_bytes in the steps that run beyond Hopper.
+// 4: FwdParams' heads_k, causal and causal_offset; flashladder_features in the steps that read them.)
+#define FLASHLADDER_ABI_VERSION 4
 
 // ---- which GPUs the library runs on: said by the build (common/build_step.py, TARGETS) ----
 // FLASHLADDER_ARCHS: what the library holds, its SASS then its PTX, e.g. "sm_80,sm_86,sm_89,sm_90a,sm_120,compute_80"
@@ -49,8 +50,8 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 // Strides are in elements; the last dimension (HEAD_DIM) is contiguous (stride 1) for all four tensors.
 struct FwdParams {
     const void* q;        // bf16 [batch, heads, seqlen_q, HEAD_DIM]
-    const void* k;        // bf16 [batch, heads, seqlen_k, HEAD_DIM]
-    const void* v;        // bf16 [batch, heads, seqlen_k, HEAD_DIM]
+    const void* k;        // bf16 [batch, heads_k, seqlen_k, HEAD_DIM]
+    const void* v;        // bf16 [batch, heads_k, seqlen_k, HEAD_DIM]
     void* o;              // bf16 [batch, heads, seqlen_q, HEAD_DIM]
     float* lse;           // fp32 [batch, heads, seqlen_q], contiguous; natural log
     int64_t q_stride[3];  // strides of q's batch, head and row dimensions
@@ -59,7 +60,16 @@ struct FwdParams {
     int64_t o_stride[3];
     int32_t batch, heads, seqlen_q, seqlen_k;
     float scale;          // softmax scale applied to Q.K^T (1/sqrt(HEAD_DIM) by default)
+    // What only the steps that export flashladder_features (below) read; for the others the binding passes
+    // heads_k = heads and causal = 0 (and refuses any other call).
+    int32_t heads_k;        // key/value heads, a divisor of heads: query head h reads key/value head h / (heads / heads_k)
+    int32_t causal;         // 1: row i sees key j only if j <= i + causal_offset; 0: every key
+    int32_t causal_offset;  // 0: the diagonal from the top left (SDPA's is_causal); seqlen_k - seqlen_q: from the bottom right
 };
+
+// Bits of flashladder_features(), exported by the steps that take more than dense attention with equal heads.
+constexpr int FLASHLADDER_FEATURE_CAUSAL = 1;  // FwdParams' causal and causal_offset
+constexpr int FLASHLADDER_FEATURE_GQA = 2;     // heads_k < heads (grouped and multi-query attention)
 
 // Address of row `row` of the [seqlen, HEAD_DIM] matrix of (batch, head) in a strided tensor.
 template <typename T>

@@ -145,13 +145,14 @@ class Backend(NamedTuple):
 
 
 def fa3_attention():
-    """FlashAttention-3's forward as the drop-in's attention function (q, k, v, scale) -> o, and where it came from;
-    (None, why) where it does not import: the fa3-fwd package, loaded as verify's benchmark loads it."""
+    """FlashAttention-3's forward as the drop-in's attention function (q, k, v, scale, causal=False) -> o, and where it
+    came from; (None, why) where it does not import: the fa3-fwd package, loaded as verify's benchmark loads it.
+    causal is always False here: FA3's limits (backends) have no features, so its router routes no causal call."""
     from verify.bench import fa3_attention as fa3_of_the_benchmark
     attention, why = fa3_of_the_benchmark()
     if attention is None:
         return None, why
-    return (lambda q, k, v, scale: attention(q, k, v, scale)[0]), "fa3-fwd (fa3_fwd_interface)"
+    return (lambda q, k, v, scale, causal=False: attention(q, k, v, scale)[0]), "fa3-fwd (fa3_fwd_interface)"
 
 
 def backends(step_mod, fa3=None) -> list[Backend]:

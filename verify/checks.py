@@ -8,6 +8,9 @@ The verdict on one call's outputs (Errors.failures):
 The yardstick (yardstick_attention) is attention computed the way the kernels compute it, in plain torch:
 its measured error on the same inputs is what the kernels' precision class costs there, so the bounds scale
 with the inputs (at x10 the outputs are ~10x larger and so are the errors of any bf16 attention).
+Causal calls (causal="top_left" or "bottom_right") and grouped key/value heads (k, v with fewer heads than q) are
+judged the same way, against a reference and a yardstick that take the mask and the heads too. A row that sees no
+key (bottom_right with seqlen_q > seqlen_k: the first rows) has o = 0 and lse = -inf, exactly, or the verdict fails.
 
 Inputs are fresh every run, with a non-zero mean (a zero mean hides errors in the max handling), all drawn
 from one seed per run: FLASHLADDER_SEED=<seed> replays a run, and every failure message says so.
@@ -25,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verify.reference import attention_reference
+from verify.reference import CHUNK_SCORES, attention_reference_of, causal_offset
 
 HEAD_DIM = 128
 DEFAULT_SCALE = 1.0 / math.sqrt(HEAD_DIM)
@@ -80,12 +83,22 @@ def replay() -> str:
     return f"replay: FLASHLADDER_SEED={run_seed()}"
 
 
-def make_inputs(batch, heads, seqlen_q, seqlen_k, *, factor=1.0, seed=None, device="cuda"):
-    """q, k, v bf16 ~ factor * N(INPUT_MEAN, 1) in torch's [batch, heads, seqlen, 128] layout (seed: run_seed())."""
+def make_inputs(batch, heads, seqlen_q, seqlen_k, *, factor=1.0, seed=None, device="cuda", heads_k=None):
+    """q, k, v bf16 ~ factor * N(INPUT_MEAN, 1) in torch's [batch, heads, seqlen, 128] layout (seed: run_seed());
+    heads_k: k and v's heads (default: heads), for grouped (GQA) or multi-query (heads_k = 1) attention."""
     gen = torch.Generator(device="cpu").manual_seed(run_seed() if seed is None else seed)
-    def one(n):
-        return (factor * (torch.randn(batch, heads, n, HEAD_DIM, generator=gen) + INPUT_MEAN)).to(torch.bfloat16).to(device)
-    return one(seqlen_q), one(seqlen_k), one(seqlen_k)
+    heads_k = heads if heads_k is None else heads_k
+    def one(h, n):
+        return (factor * (torch.randn(batch, h, n, HEAD_DIM, generator=gen) + INPUT_MEAN)).to(torch.bfloat16).to(device)
+    return one(heads, seqlen_q), one(heads_k, seqlen_k), one(heads_k, seqlen_k)
+
+
+def check_causal(causal):
+    """causal as the checks take it: False (None too), "top_left" or "bottom_right" (verify/reference.py)."""
+    if causal is None or causal is False:
+        return False
+    causal_offset(0, 0, causal)  # raises for anything else
+    return causal
 
 
 @contextlib.contextmanager
@@ -101,18 +114,41 @@ def ieee_fp32_matmul():
         setattr(flags, name, old)
 
 
-def yardstick_attention(q, k, v, scale):
+def yardstick_attention(q, k, v, scale, causal=False):
     """Attention in the kernels' precision class, on q's device: the bf16 inputs' products are exact in fp32, so
     scores = fp32 GEMM (fp32 accumulation, no TF32); P = exp(s - rowmax) in fp32, rounded to bf16 for P.V (fp32
     accumulation); the row sum l from the unrounded fp32 P; O = acc / l rounded to bf16; LSE = rowmax + log(l).
+    causal: the scores of the keys a row does not see are -inf (P = 0); a row that sees none gets o = 0 and
+    lse = -inf. k, v may have fewer heads than q (a divisor): query head h reads key/value head h // (heads // heads_k).
+    Computed in blocks of query rows of at most CHUNK_SCORES scores, as the float64 reference is.
     Returns (o bf16, lse fp32)."""
+    causal = check_causal(causal)
+    heads, heads_k = q.shape[1], k.shape[1]
+    if heads_k != heads:
+        if heads_k == 0 or heads % heads_k:
+            raise ValueError(f"{heads_k} key/value heads do not divide {heads} query heads")
+        k, v = (t.repeat_interleave(heads // heads_k, dim=1) for t in (k, v))
+    nq, nk = q.shape[2], k.shape[2]
+    block = max(1, CHUNK_SCORES // max(1, q.shape[0] * heads * nk))
+    o = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    kf, vf = k.float(), v.float()
     with ieee_fp32_matmul():
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-        m = s.amax(dim=-1, keepdim=True)
-        p = torch.exp(s - m)
-        row_sum = p.sum(dim=-1, keepdim=True)
-        o = torch.matmul(p.to(torch.bfloat16).float(), v.float()) / row_sum
-    return o.to(torch.bfloat16), (m + torch.log(row_sum)).squeeze(-1)
+        for start in range(0, nq, block):
+            stop = min(nq, start + block)
+            s = torch.matmul(q[:, :, start:stop].float(), kf.transpose(-1, -2)) * scale
+            if causal:
+                i = torch.arange(start, stop, device=q.device)[:, None]
+                j = torch.arange(nk, device=q.device)[None, :]
+                s = s.masked_fill(j > i + causal_offset(nq, nk, causal), -math.inf)
+            m = s.amax(dim=-1, keepdim=True) if nk else s.new_full((*s.shape[:-1], 1), -math.inf)
+            keyless = torch.isneginf(m)  # rows that see no key
+            p = torch.exp(s - torch.where(keyless, 0.0, m))  # exp(-inf) = 0 for every key such a row does not see
+            row_sum = p.sum(dim=-1, keepdim=True)
+            acc = torch.matmul(p.to(torch.bfloat16).float(), vf)
+            o[:, :, start:stop] = torch.where(keyless, 0.0, acc / torch.where(keyless, 1.0, row_sum)).to(torch.bfloat16)
+            lse[:, :, start:stop] = torch.where(keyless, -math.inf, m + torch.log(row_sum)).squeeze(-1)
+    return o, lse
 
 
 @dataclass
@@ -129,6 +165,8 @@ class Errors:
                             # largest error: o_max_abs is the error there, checked against o_limit() there)
     o_ref_abs_at: float = 0.0  # |O_ref| at o_at: its O_P_ROUNDING allowance
     lse_at: tuple = ()      # [batch, head, row] of the largest LSE error
+    wrong_keyless: int = 0  # rows that see no key (lse_ref = -inf) whose o is not all 0 or whose lse is not -inf
+    keyless_at: tuple = ()  # [batch, head, row] of the first of them
 
     def o_limit(self) -> float:
         return O_YARDSTICK_FACTOR * self.o_max_abs_yardstick + O_P_ROUNDING * self.o_ref_abs_at + O_ATOL
@@ -138,6 +176,9 @@ class Errors:
 
     def failures(self) -> list[str]:
         bad = []
+        if self.wrong_keyless:
+            bad.append(f"{self.wrong_keyless} rows that see no key have o != 0 or lse != -inf (the first at "
+                       f"{list(self.keyless_at)})")
         if self.nonfinite_o or self.nonfinite_lse:
             bad.append(f"{self.nonfinite_o} non-finite O and {self.nonfinite_lse} non-finite LSE elements "
                        "(NaN-poisoned outputs not written, or NaN/Inf computed)")
@@ -167,69 +208,96 @@ class Case:
     lse_ref: np.ndarray
     o_yardstick: float
     lse_yardstick: float
+    causal: object = False  # False, "top_left" or "bottom_right" (k, v's heads are in their shape)
+
+
+def _abs_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """|got - want|, with 0 where both are -inf (the LSE of a row that sees no key, exact); -inf against a
+    finite value is an infinite error, NaN anywhere a NaN error."""
+    with np.errstate(invalid="ignore"):
+        err = np.abs(got - want)
+    err[np.isneginf(got) & np.isneginf(want)] = 0.0
+    return err
 
 
 def _max_abs(got: torch.Tensor, want: np.ndarray) -> float:
-    return float(np.max(np.abs(got.double().cpu().numpy() - want)))
+    return float(np.max(_abs_errors(got.double().cpu().numpy(), want), initial=0.0))
 
 
-def prepare(q, k, v, scale=None, label="", cache_key=None) -> Case:
-    """A Case for these inputs (cache_key: keep the float64 reference on disk for the other steps of the run)."""
+def prepare(q, k, v, scale=None, label="", cache_key=None, causal=False) -> Case:
+    """A Case for these inputs (cache_key: keep the float64 reference on disk for the other steps of the run).
+    causal: False, "top_left" or "bottom_right"; k, v may have fewer heads than q (a divisor of its heads)."""
     scale = DEFAULT_SCALE if scale is None else scale
+    causal = check_causal(causal)
     as64 = [t.double().cpu().numpy() for t in (q, k, v)]
-    o_ref, lse_ref = (_cached_reference(cache_key, as64, scale) if cache_key else attention_reference(*as64, scale))
-    o_y, lse_y = yardstick_attention(q, k, v, scale)
-    return Case(label, q, k, v, scale, o_ref, lse_ref, _max_abs(o_y, o_ref), _max_abs(lse_y, lse_ref))
+    o_ref, lse_ref = (_cached_reference(cache_key, as64, scale, causal) if cache_key
+                      else attention_reference_of(*as64, scale, causal))
+    o_y, lse_y = yardstick_attention(q, k, v, scale, causal)
+    return Case(label, q, k, v, scale, o_ref, lse_ref, _max_abs(o_y, o_ref), _max_abs(lse_y, lse_ref), causal)
 
 
 def errors_of(case: Case, o: torch.Tensor, lse: torch.Tensor) -> Errors:
-    """The errors of outputs (o, lse) of case's inputs, beside the yardstick's."""
+    """The errors of outputs (o, lse) of case's inputs, beside the yardstick's. Where a row sees no key (the
+    reference's lse is -inf), o must be 0 and lse -inf exactly (wrong_keyless counts the rows that are not); an
+    lse of -inf there is no error and not non-finite."""
     o64, lse64 = o.double().cpu().numpy(), lse.double().cpu().numpy()
-    with np.errstate(invalid="ignore"):
-        o_err, lse_err = np.abs(o64 - case.o_ref), np.abs(lse64 - case.lse_ref)
+    keyless = np.isneginf(case.lse_ref)
+    exact_keyless = keyless & np.isneginf(lse64)  # an lse of -inf where the reference has it
+    wrong_keyless = keyless & ~(exact_keyless & (o64 == 0).all(axis=-1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        o_err, lse_err = np.abs(o64 - case.o_ref), _abs_errors(lse64, case.lse_ref)
         o_at = np.unravel_index(np.argmax(o_err - O_P_ROUNDING * np.abs(case.o_ref)), o_err.shape)  # a NaN first
         finite_lse = np.abs(case.lse_ref[np.isfinite(case.lse_ref)])
+        ref_norm, err_norm = np.linalg.norm(case.o_ref), np.linalg.norm(o64 - case.o_ref)
         return Errors(
-            o_rel_frob=float(np.linalg.norm(o64 - case.o_ref) / np.linalg.norm(case.o_ref)),
+            # (every row keyless: o_ref = 0, and the error must be 0 too)
+            o_rel_frob=float(err_norm / ref_norm if ref_norm > 0 else 0.0 if err_norm == 0 else math.inf),
             o_max_abs=float(o_err[o_at]),
             o_max_abs_yardstick=case.o_yardstick,
             lse_max_abs=float(np.max(lse_err)),
             lse_max_abs_yardstick=case.lse_yardstick,
             lse_max_abs_ref=float(finite_lse.max(initial=0.0)),
             nonfinite_o=int((~np.isfinite(o64)).sum()),
-            nonfinite_lse=int((~np.isfinite(lse64)).sum()),
+            nonfinite_lse=int((~np.isfinite(lse64) & ~exact_keyless).sum()),
             o_at=tuple(int(i) for i in o_at),
             o_ref_abs_at=float(abs(case.o_ref[o_at])),
             lse_at=tuple(int(i) for i in np.unravel_index(np.argmax(lse_err), lse_err.shape)),
+            wrong_keyless=int(wrong_keyless.sum()),
+            keyless_at=tuple(int(i[0]) for i in np.nonzero(wrong_keyless)) if wrong_keyless.any() else (),
         )
 
 
-def run_poisoned(mod, q, k, v, scale=None):
-    """Call the step writing into NaN-poisoned buffers; returns (o, lse)."""
+def run_poisoned(mod, q, k, v, scale=None, causal=False):
+    """Call the step writing into NaN-poisoned buffers; returns (o, lse). causal goes to the step only when it is
+    asked for (a step without causal masks takes causal=False too)."""
     o = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    mod.attention_out(q, k, v, o, lse, scale)
-    torch.cuda.synchronize()
+    mod.attention_out(q, k, v, o, lse, scale, **({"causal": causal} if causal else {}))
+    if q.device.type == "cuda":
+        torch.cuda.synchronize()
     return o, lse
 
 
 def check(mod, case: Case) -> Errors:
-    return errors_of(case, *run_poisoned(mod, case.q, case.k, case.v, case.scale))
+    return errors_of(case, *run_poisoned(mod, case.q, case.k, case.v, case.scale, case.causal))
 
 
-def measure_errors(mod, q, k, v, scale=None) -> Errors:
+def measure_errors(mod, q, k, v, scale=None, causal=False) -> Errors:
     """One call of the step on (q, k, v), judged against a fresh reference."""
-    return check(mod, prepare(q, k, v, scale))
+    return check(mod, prepare(q, k, v, scale, causal=causal))
 
 
 # ---------------------------------------------------------------- cases shared by every step of a run
 
 @functools.lru_cache(maxsize=None)
-def random_case(batch, heads, seqlen_q, seqlen_k, factor=1.0) -> Case:
-    """make_inputs(...) of this run's seed, prepared once per process (and its reference once per run)."""
-    key = ("random", batch, heads, seqlen_q, seqlen_k, factor)
-    return prepare(*make_inputs(batch, heads, seqlen_q, seqlen_k, factor=factor),
-                   label=f"random x{factor:g} {batch}x{heads}x{seqlen_q}x{seqlen_k}", cache_key=key)
+def random_case(batch, heads, seqlen_q, seqlen_k, factor=1.0, causal=False, heads_k=None) -> Case:
+    """make_inputs(...) of this run's seed, prepared once per process (and its reference once per run).
+    causal: False, "top_left" or "bottom_right"; heads_k: k and v's heads (default: heads)."""
+    key = ("random", batch, heads, seqlen_q, seqlen_k, factor, causal, heads_k)
+    label = (f"random x{factor:g} {batch}x{heads}x{seqlen_q}x{seqlen_k}" + (f", {heads_k} kv heads" if heads_k else "")
+             + (f", causal {causal}" if causal else ""))
+    return prepare(*make_inputs(batch, heads, seqlen_q, seqlen_k, factor=factor, heads_k=heads_k),
+                   label=label, cache_key=key, causal=causal)
 
 
 # The numpy model's adversarial value cases (verify/tests/test_model.py), built from bf16 inputs because the
@@ -250,18 +318,26 @@ ADVERSARIAL = {
 }
 ADVERSARIAL_K_TILES = 8
 DOMINANCE = 30.0  # nats: weight e^-30 ~ 1e-13 for every other key, invisible in bf16
+# Cases for causal calls (adversarial_case(kind, ..., causal="top_left" or "bottom_right")), of the same shapes.
+CAUSAL_ADVERSARIAL = {
+    "masked_keys_above_by_100": "in every K tile the scores climb 100 nats from its first key to its last, so that in a "
+                                "row's diagonal tile the keys it does not see score above the ones it sees, by up to "
+                                "100 nats: a max taken before the mask underflows every key the row sees (top_left: "
+                                "the first rows see their diagonal tile alone, and no row sees the last 6 K tiles)",
+}
+MASKED_DOMINANCE = 100.0  # nats: e^-100 is below fp32's smallest normal number (e^-87.3)
 
 
 def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda"):
-    """q, k, v (bf16, [1, 2, 2 tile_q, ADVERSARIAL_K_TILES tile_k, 128]) for one of ADVERSARIAL.
+    """q, k, v (bf16, [1, 2, 2 tile_q, ADVERSARIAL_K_TILES tile_k, 128]) for one of ADVERSARIAL (or CAUSAL_ADVERSARIAL).
 
     The bias cases put q ~ 1 + N(0, 1/16) (every row summing to 128) and k_j = bias_j / (128 scale) + N(0, 1/100),
     so that score(i, j) ~ bias_j (nats) + a random part of ~0.1 nat. Every term of a dot product is then of
     the same size, as in real inputs: no huge term beside tiny ones, which would test the tensor cores'
     accumulation more than the kernel.
     """
-    if kind not in ADVERSARIAL:
-        raise ValueError(f"unknown adversarial case {kind!r}; one of {', '.join(ADVERSARIAL)}")
+    if kind not in ADVERSARIAL and kind not in CAUSAL_ADVERSARIAL:
+        raise ValueError(f"unknown adversarial case {kind!r}; one of {', '.join([*ADVERSARIAL, *CAUSAL_ADVERSARIAL])}")
     gen = torch.Generator(device="cpu").manual_seed(run_seed() if seed is None else seed)
     nq, nk = 2 * tile_q, ADVERSARIAL_K_TILES * tile_k
     def randn(n):
@@ -277,6 +353,7 @@ def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda"):
         "max_in_first_tile_by_30": 30.0 * (key < tile_k),
         "one_dominant_key_first": DOMINANCE * (key == 0),
         "one_dominant_key_last": DOMINANCE * (key == nk - 1),
+        "masked_keys_above_by_100": MASKED_DOMINANCE * (key % tile_k) / max(1, tile_k - 1),
     }.get(kind)
     if bias is not None:
         noise = 0.25 * randn(nq)
@@ -290,9 +367,10 @@ def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda"):
 
 
 @functools.lru_cache(maxsize=None)
-def adversarial_case(kind, tile_q, tile_k) -> Case:
-    return prepare(*adversarial_inputs(kind, tile_q, tile_k), label=f"{kind} (tiles {tile_q}x{tile_k})",
-                   cache_key=("adversarial", kind, tile_q, tile_k))
+def adversarial_case(kind, tile_q, tile_k, causal=False) -> Case:
+    return prepare(*adversarial_inputs(kind, tile_q, tile_k),
+                   label=f"{kind} (tiles {tile_q}x{tile_k}" + (f", causal {causal})" if causal else ")"),
+                   cache_key=("adversarial", kind, tile_q, tile_k, causal), causal=causal)
 
 
 # ---------------------------------------------------------------- the float64 reference, once per run
@@ -302,19 +380,21 @@ CACHE_DIR = Path(__file__).resolve().parent.parent / "build" / "reference-cache"
 _SOURCE = hashlib.sha256(b"".join((Path(__file__).parent / f).read_bytes() for f in ("checks.py", "reference.py"))).hexdigest()
 
 
-def _cached_reference(key: tuple, qkv64: list, scale: float):
-    """attention_reference(*qkv64, scale), kept in build/reference-cache for the other steps of this run (each
-    step's checks may run in a process of its own; the reference is the slow part of the checks). Files of
-    other seeds are removed when one is written: the cache holds one run."""
+def _cached_reference(key: tuple, qkv64: list, scale: float, causal=False):
+    """attention_reference_of(*qkv64, scale, causal), kept in build/reference-cache for the other steps of this run
+    (each step's checks may run in a process of its own; the reference is the slow part of the checks). Files of
+    other seeds are removed when one is written: the cache holds one run. The file's name covers the causal mask
+    and the inputs' shapes (k/v's heads with them) besides `key`, whatever `key` says."""
     seed = run_seed()
-    name = hashlib.sha256(repr((key, scale, _SOURCE)).encode()).hexdigest()[:32]
+    shapes = tuple(tuple(x.shape) for x in qkv64)
+    name = hashlib.sha256(repr((key, scale, causal, shapes, _SOURCE)).encode()).hexdigest()[:32]
     path = CACHE_DIR / f"{seed}-{name}.npz"
     try:
         with np.load(path) as f:
             return f["o"], f["lse"]
     except (OSError, KeyError, ValueError):  # not there yet (or half written by a process that died)
         pass
-    o, lse = attention_reference(*qkv64, scale)
+    o, lse = attention_reference_of(*qkv64, scale, causal)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     for old in CACHE_DIR.glob("*.npz"):
         if not old.name.startswith(f"{seed}-"):

@@ -2,8 +2,15 @@
 
 Deliberately naive (materialises the full score matrix) so that it is obviously
 right. Everything the kernels and verify/model.py produce is compared to this.
+causal_mask and repeat_kv say what the kernels' causal and grouped-head calls mean;
+attention_reference_of puts the three together, a block of query rows at a time.
 """
 import numpy as np
+
+# The diagonal's corners (common/binding.py's CAUSAL): row i sees key j iff j <= i + offset.
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+# Rows of a block in attention_reference_of: at most this many scores at a time (16M float64: 128 MiB a copy).
+CHUNK_SCORES = 2**24
 
 
 def attention_reference(q, k, v, scale=None, mask=None):
@@ -32,4 +39,50 @@ def attention_reference(q, k, v, scale=None, mask=None):
     with np.errstate(divide="ignore", invalid="ignore"):  # log(0) and 0/0 of dead rows, replaced here:
         lse = np.where(dead, -np.inf, m + np.log(row_sum))[..., 0]
         o = np.where(dead, 0.0, (e @ v) / row_sum)
+    return o, lse
+
+
+def causal_offset(nq, nk, alignment):
+    """Row i sees key j iff j <= i + causal_offset: 0 for "top_left" (SDPA's is_causal=True), nk - nq for
+    "bottom_right" (torch's causal_lower_right: the last row sees every key)."""
+    if alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"alignment {alignment!r}: one of {', '.join(CAUSAL_ALIGNMENTS)}")
+    return 0 if alignment == "top_left" else nk - nq
+
+
+def causal_mask(nq, nk, alignment, rows=None):
+    """The additive float64 mask [nq, nk] of a causal call: 0 where row i sees key j (j <= i + causal_offset), -inf
+    elsewhere. rows: a range of rows (e.g. range(256, 512)) for just those rows of it."""
+    rows = range(nq) if rows is None else rows
+    i = np.arange(rows.start, rows.stop)[:, None]
+    j = np.arange(nk)[None, :]
+    return np.where(j <= i + causal_offset(nq, nk, alignment), 0.0, -np.inf)
+
+
+def repeat_kv(x, heads):
+    """k or v [..., heads_k, N, D] with its heads repeated to `heads` (a multiple of heads_k): query head h reads
+    key/value head h // (heads // heads_k), so each head appears heads // heads_k times in a row."""
+    heads_k = x.shape[-3]
+    if heads_k == 0 or heads % heads_k:
+        raise ValueError(f"{heads_k} key/value heads do not divide {heads} query heads")
+    return np.repeat(x, heads // heads_k, axis=-3)
+
+
+def attention_reference_of(q, k, v, scale=None, causal=False, chunk_scores=None):
+    """attention_reference for a kernel call: q [B, H, Nq, D], k and v [B, H_k, Nk, D] with H_k dividing H
+    (repeat_kv), causal False or an alignment (causal_mask). Computed in blocks of query rows (rows are
+    independent), so that a block's scores stay under chunk_scores (CHUNK_SCORES) elements: a 32K x 32K call
+    never holds its 8 GB score matrix. Returns (o [B, H, Nq, D], lse [B, H, Nq]), float64."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    k, v = repeat_kv(k, q.shape[-3]), repeat_kv(v, q.shape[-3])
+    nq, nk = q.shape[-2], k.shape[-2]
+    per_row = max(1, int(np.prod(q.shape[:-2])) * nk)
+    block = max(1, (CHUNK_SCORES if chunk_scores is None else chunk_scores) // per_row)
+    o = np.empty(q.shape[:-1] + v.shape[-1:])
+    lse = np.empty(q.shape[:-1])
+    for start in range(0, nq, block):
+        rows = range(start, min(nq, start + block))
+        mask = causal_mask(nq, nk, causal, rows) if causal else None
+        o[..., rows.start:rows.stop, :], lse[..., rows.start:rows.stop] = attention_reference(
+            q[..., rows.start:rows.stop, :], k, v, scale, mask)
     return o, lse

@@ -1,6 +1,7 @@
 """The binding's edge cases (common/binding.py): its guard of the C ABI, the strides it hands the kernel,
 empty and keyless inputs, the alignment it asks of lse, one check per call, what it says at import on a machine
-that cannot run a kernel. CPU where it can be, else GPU."""
+that cannot run a kernel; the causal and grouped-heads arguments (check_causal, check_causal_code, check_inputs'
+features, make_params' heads_k, causal and causal_offset). CPU where it can be, else GPU."""
 import ctypes
 import math
 import os
@@ -174,12 +175,135 @@ def test_kernel_strides_of_size_one_dims(mod):
     assert (params.batch, params.heads, params.seqlen_q, params.seqlen_k) == (1, 2, n, n)
 
 
+# ---------------------------------------------------------------- causal masks and grouped heads
+
+def test_a_step_s_features_are_its_library_s(mod):
+    """info["causal"] and info["gqa"] are the bits of the library's flashladder_features; a library without that
+    export (steps 01-14) takes neither."""
+    binding = mod._binding
+    lib = binding.load_library(Path(mod.info["library"]))
+    features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
+    assert (mod.info["causal"], mod.info["gqa"]) == (bool(features & binding.FEATURE_CAUSAL), bool(features & binding.FEATURE_GQA))
+    assert features & ~(binding.FEATURE_CAUSAL | binding.FEATURE_GQA) == 0, f"unknown feature bits {features:#x}"
+    assert mod.sdpa().limits.features == features
+    if int(mod.info["step"][4:]) < 15:
+        assert features == 0 and not hasattr(lib, "flashladder_features"), mod.info["step"]
+
+
+def test_the_params_mirror_puts_the_new_fields_after_the_scale():
+    """FwdParams' ABI-4 fields follow `scale` in the C struct's order, each an int32 (the library checks the size only)."""
+    import binding
+    names = [name for name, _ in binding.FwdParams._fields_]
+    assert names[-4:] == ["scale", "heads_k", "causal", "causal_offset"]
+    assert all(getattr(binding.FwdParams, f).offset == binding.FwdParams.scale.offset + 4 * (i + 1)
+               for i, f in enumerate(("heads_k", "causal", "causal_offset")))
+    assert all(dict(binding.FwdParams._fields_)[f] is ctypes.c_int32 for f in ("heads_k", "causal", "causal_offset"))
+
+
+CAUSAL_OK = {False: 0, None: 0, "top_left": 1, "bottom_right": 2}
+
+
+@pytest.mark.parametrize("causal", CAUSAL_OK, ids=repr)
+def test_check_causal_gives_the_op_s_code(causal):
+    import binding
+    assert binding.check_causal("stepX", causal, binding.FEATURE_CAUSAL) == CAUSAL_OK[causal]
+    assert binding.check_causal("stepX", causal, binding.FEATURE_CAUSAL | binding.FEATURE_GQA) == CAUSAL_OK[causal]
+    if CAUSAL_OK[causal]:  # refused without the feature (GQA alone is not enough), in one line naming the value
+        for features in (0, binding.FEATURE_GQA):
+            with pytest.raises(ValueError) as e:
+                binding.check_causal("stepX", causal, features)
+            assert str(e.value) == f"flashladder.stepX: this step is non-causal (causal={causal!r}); causal masks come in step15"
+    else:
+        assert binding.check_causal("stepX", causal, 0) == 0
+
+
+@pytest.mark.parametrize("causal", [True, 0, 1, 2, 1.0, "", "top-left", "Top_Left", "bottom_left", "upper_left",
+                                    "lower_right", ["top_left"], np.bool_(False)], ids=repr)
+@pytest.mark.parametrize("features", [0, 1, 3])
+def test_check_causal_refuses_anything_else_saying_what_it_takes(causal, features):
+    import binding
+    with pytest.raises(ValueError) as e:
+        binding.check_causal("stepX", causal, features)
+    assert str(e.value) == (f"flashladder.stepX: causal={causal!r}: give False, 'top_left' (SDPA's is_causal=True: row i "
+                            "sees keys 0..i) or 'bottom_right' (torch's causal_lower_right: the last row sees every key)")
+
+
+def test_check_causal_code():
+    """The op's integer: 0 always; 1 and 2 with FEATURE_CAUSAL; nothing else (a bool neither: the wrapper's job)."""
+    import binding
+    for features in (0, binding.FEATURE_GQA, binding.FEATURE_CAUSAL, binding.FEATURE_CAUSAL | binding.FEATURE_GQA):
+        binding.check_causal_code("stepX", 0, features)
+        for code in (1, 2):
+            if features & binding.FEATURE_CAUSAL:
+                binding.check_causal_code("stepX", code, features)
+            else:
+                with pytest.raises(ValueError) as e:
+                    binding.check_causal_code("stepX", code, features)
+                assert str(e.value) == f"flashladder.stepX: this step is non-causal (causal={code}); causal masks come in step15"
+        for code in (-1, 3, 255, True, False, "1"):  # (the op's schema makes it an int: a float cannot come)
+            with pytest.raises(ValueError) as e:
+                binding.check_causal_code("stepX", code, features)
+            assert str(e.value) == (f"flashladder.stepX: causal={code!r}: the op takes 0 (none), 1 (top left) or 2 "
+                                    "(bottom right)"), code
+
+
+@pytest.mark.parametrize("q_shape, kv_shape, ok", [
+    ((2, 8, 64, 128), (2, 8, 64, 128), True),     # equal heads
+    ((2, 8, 64, 128), (2, 4, 64, 128), True),     # GQA
+    ((2, 32, 64, 128), (2, 8, 100, 128), True),   # 32/8, other seqlen_k
+    ((2, 8, 64, 128), (2, 1, 64, 128), True),     # MQA
+    ((2, 0, 64, 128), (2, 0, 64, 128), True),     # no heads at all
+    ((2, 8, 64, 128), (2, 3, 64, 128), False),    # 3 does not divide 8
+    ((2, 4, 64, 128), (2, 8, 64, 128), False),    # more key/value heads than query heads
+    ((2, 8, 64, 128), (2, 0, 64, 128), False),    # no key/value heads for 8 query heads
+    ((2, 8, 64, 128), (1, 4, 64, 128), False),    # batch differs
+    ((1, 8, 64, 128), (2, 8, 64, 128), False),    # batch differs, heads equal
+])
+def test_check_inputs_with_grouped_heads(q_shape, kv_shape, ok):
+    import binding
+    q, kv = meta(q_shape), meta(kv_shape)
+    if ok:
+        binding.check_inputs("stepX", (1, 1), q, kv, kv, devices=("meta",), features=binding.FEATURE_GQA)
+    else:
+        with pytest.raises(ValueError) as e:
+            binding.check_inputs("stepX", (1, 1), q, kv, kv, devices=("meta",), features=binding.FEATURE_GQA)
+        assert str(e.value) == ("flashladder.stepX: q and k/v must agree on batch, and k/v's heads must divide q's, got "
+                                f"{q_shape} and {kv_shape}")
+    # without the feature (or with causal masks alone) only equal [batch, heads] pass
+    for features in (0, binding.FEATURE_CAUSAL):
+        if q_shape[:2] == kv_shape[:2]:
+            binding.check_inputs("stepX", (1, 1), q, kv, kv, devices=("meta",), features=features)
+            continue
+        with pytest.raises(ValueError) as e:
+            binding.check_inputs("stepX", (1, 1), q, kv, kv, devices=("meta",), features=features)
+        assert str(e.value) == (f"flashladder.stepX: q and k/v must agree on [batch, heads], got {q_shape} and {kv_shape} "
+                                "(fewer key/value heads than query heads: step15 takes them)")
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(64, 64), (64, 192), (192, 64), (1, 32760), (32760, 1)])
+@pytest.mark.parametrize("causal", [0, 1, 2], ids=["none", "top_left", "bottom_right"])
+def test_make_params_causal_offset(seqlen_q, seqlen_k, causal):
+    """causal = 1 for either corner; row i sees key j iff j <= i + causal_offset: 0 from the top left, seqlen_k - seqlen_q
+    (negative when seqlen_q > seqlen_k) from the bottom right; heads_k is k's."""
+    import binding
+    q, kv = meta((2, 8, seqlen_q, 128)), meta((2, 2, seqlen_k, 128))
+    o, lse = meta((2, 8, seqlen_q, 128)), torch.empty(2, 8, seqlen_q, device="meta")
+    params = binding.make_params(q, kv, kv, o, lse, 0.5, causal)
+    assert (params.batch, params.heads, params.heads_k, params.seqlen_q, params.seqlen_k) == (2, 8, 2, seqlen_q, seqlen_k)
+    assert params.causal == int(causal != 0)
+    assert params.causal_offset == (seqlen_k - seqlen_q if causal == 2 else 0)
+    assert params.scale == 0.5
+    if causal == 2:  # the last row sees every key, the row before one fewer
+        assert (seqlen_q - 1) + params.causal_offset == seqlen_k - 1
+    assert binding.make_params(q, kv, kv, o, lse, 0.5).causal == 0  # the default: not causal
+
+
 # ---------------------------------------------------------------- one check per call
 
 def test_checks_run_once_per_call(mod, monkeypatch):
     """attention() checks the argument types, the op everything else: each check once per call."""
     binding, n = mod._binding, seqlen(mod)
-    calls = {"check_inputs": 0, "check_scale": 0, "check_types": 0}
+    calls = {"check_inputs": 0, "check_scale": 0, "check_types": 0, "check_causal": 0, "check_causal_code": 0}
     for name in calls:
         real = getattr(binding, name)
         def counted(*args, _real=real, _name=name, **kw):
@@ -189,9 +313,9 @@ def test_checks_run_once_per_call(mod, monkeypatch):
     device = "cuda" if has_cuda_gpu() else "meta"  # meta: the op's fake implementation, which checks the same
     q = torch.zeros(1, 2, n, 128, dtype=BF16, device=device)
     mod.attention(q, q, q)
-    assert calls == {"check_inputs": 1, "check_scale": 1, "check_types": 1}
+    assert calls == {"check_inputs": 1, "check_scale": 1, "check_types": 1, "check_causal": 1, "check_causal_code": 1}
     mod.attention_out(q, q, q, torch.empty_like(q), torch.empty(q.shape[:3], device=device))
-    assert calls == {"check_inputs": 2, "check_scale": 2, "check_types": 2}
+    assert calls == {"check_inputs": 2, "check_scale": 2, "check_types": 2, "check_causal": 2, "check_causal_code": 2}
 
 
 # ---------------------------------------------------------------- empty and keyless inputs, on the GPU

@@ -98,10 +98,10 @@ def test_the_targets_line_is_read(tmp_path):
 
 
 def test_every_portable_step_says_so_and_the_rest_are_sm90a(built):
-    """Steps 01-07 run on every GPU since Ampere; steps 08-14 use wgmma, TMA or setmaxnreg: sm_90a alone."""
+    """Steps 01-07 run on every GPU since Ampere; steps 08 on use wgmma, TMA or setmaxnreg: sm_90a alone."""
     names = {s: build_step.targets_of(steps_mod.step_dir(s)).name for s in steps_mod.all_steps()}
     assert {s for s, n in names.items() if n == "sm80_and_later"} == {f"step{i:02d}" for i in range(1, 8)}, names
-    assert {s for s, n in names.items() if n == "sm90a_only"} == {f"step{i:02d}" for i in range(8, 15)} & set(names), names
+    assert {s for s, n in names.items() if n == "sm90a_only"} == {s for s in names if int(s[4:]) >= 8}, names
 
 
 def compile_probe(tmp_path, source: str, flags: list[str]) -> subprocess.CompletedProcess:

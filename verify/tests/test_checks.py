@@ -7,7 +7,11 @@
 * a kernel-like computation in the kernels' precision class passes, so the bounds are not tighter than the class,
   with FlashAttention-4's conditional rescale too (and without O_P_ROUNDING it would not, on a peaked case);
 * the adversarial inputs have the property each is built for;
-* at ragged lengths, an output that let the zero-filled keys past seqlen_k into the softmax is rejected.
+* at ragged lengths, an output that let the zero-filled keys past seqlen_k into the softmax is rejected;
+* causal masks and grouped key/value heads: the reference agrees with torch's own SDPA (is_causal, causal_lower_right,
+  enable_gqa) and is the same in row blocks; a CPU kernel in the class with the mask and the heads right passes, and
+  the same kernel with its diagonal one key off either way, the other corner's diagonal, or query head h reading
+  key/value head h % heads_k (instead of h // group) fails; rows that see no key must be o = 0 and lse = -inf exactly.
 """
 import math
 import os
@@ -16,9 +20,12 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from verify import checks  # noqa: E402
+from torch.nn.attention.bias import causal_lower_right  # noqa: E402
+
+from verify import checks, reference  # noqa: E402
 from verify.checks import (  # noqa: E402
     ADVERSARIAL,
+    CAUSAL_ADVERSARIAL,
     CORRUPTIONS,
     O_ATOL,
     O_REL_FROB,
@@ -29,6 +36,7 @@ from verify.checks import (  # noqa: E402
     make_inputs,
     prepare,
     replay,
+    yardstick_attention,
 )
 
 GOOD = dict(o_rel_frob=2e-3, o_max_abs=1e-2, o_max_abs_yardstick=1e-2, lse_max_abs=1e-5, lse_max_abs_yardstick=1e-5,
@@ -208,7 +216,7 @@ def test_reference_cache_round_trip(tmp_path, monkeypatch):
     q, k, v = make_inputs(1, 2, 64, 64, device="cpu")
     fresh = prepare(q, k, v)
     first = prepare(q, k, v, cache_key=("test", 1))
-    monkeypatch.setattr(checks, "attention_reference", None)  # the second must come from the file
+    monkeypatch.setattr(checks, "attention_reference_of", None)  # the second must come from the file
     again = prepare(q, k, v, cache_key=("test", 1))
     for case in (first, again):
         assert np.array_equal(case.o_ref, fresh.o_ref) and np.array_equal(case.lse_ref, fresh.lse_ref)
@@ -229,3 +237,257 @@ def test_unmasked_keys_past_seqlen_k_are_rejected(shape):
                                          case.scale)
     bad = errors_of(case, torch.from_numpy(o_bad).to(torch.bfloat16), torch.from_numpy(lse_bad).float()).failures()
     assert any("LSE max abs error" in b for b in bad), f"an unmasked tail passed: {bad}; {replay()}"
+
+
+# ---------------------------------------------------------------- causal masks and grouped key/value heads
+
+def test_causal_mask_by_hand():
+    """Row i sees key j iff j <= i + offset: offset 0 from the top left, seqlen_k - seqlen_q from the bottom right."""
+    inf = -np.inf
+    assert np.array_equal(reference.causal_mask(2, 3, "top_left"), [[0, inf, inf], [0, 0, inf]])
+    assert np.array_equal(reference.causal_mask(2, 3, "bottom_right"), [[0, 0, inf], [0, 0, 0]])
+    assert np.array_equal(reference.causal_mask(3, 2, "top_left"), [[0, inf], [0, 0], [0, 0]])
+    assert np.array_equal(reference.causal_mask(3, 2, "bottom_right"), [[inf, inf], [0, inf], [0, 0]])
+    assert np.array_equal(reference.causal_mask(3, 3, "bottom_right"), reference.causal_mask(3, 3, "top_left"))
+    assert np.array_equal(reference.causal_mask(5, 7, "bottom_right", range(2, 4)), reference.causal_mask(5, 7, "bottom_right")[2:4])
+    with pytest.raises(ValueError, match="alignment 'lower_right'"):
+        reference.causal_mask(2, 2, "lower_right")
+
+
+def test_repeat_kv_maps_query_head_h_to_h_over_the_group():
+    kv = np.arange(3)[None, :, None, None] * np.ones((1, 3, 2, 4))  # key/value head j holds j everywhere
+    assert [int(x) for x in reference.repeat_kv(kv, 6)[0, :, 0, 0]] == [0, 0, 1, 1, 2, 2]
+    assert reference.repeat_kv(kv, 3) is not None and reference.repeat_kv(kv, 3).shape == kv.shape
+    with pytest.raises(ValueError, match="3 key/value heads do not divide 4 query heads"):
+        reference.repeat_kv(kv, 4)
+
+
+TORCH_KWARGS = {False: lambda nq, nk: {}, "top_left": lambda nq, nk: {"is_causal": True},
+                "bottom_right": lambda nq, nk: {"attn_mask": causal_lower_right(nq, nk)}}
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+@pytest.mark.parametrize("causal", TORCH_KWARGS, ids=str)
+@pytest.mark.parametrize("shape", [(2, 4, 4, 5, 300), (1, 4, 2, 129, 127), (2, 6, 1, 200, 64), (1, 2, 2, 1, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_the_reference_is_torch_s_sdpa(shape, causal):
+    """The float64 reference (causal_mask, repeat_kv) against torch's own float64 SDPA with is_causal=True (the top left),
+    causal_lower_right (the bottom right) and enable_gqa: the same rows see the same keys; rows that see none are o = 0
+    and lse = -inf in the reference (torch's are 0 or NaN, by version: not compared)."""
+    batch, heads, heads_k, nq, nk = shape
+    q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k, device="cpu")
+    o, lse = reference.attention_reference_of(*(t.double().numpy() for t in (q, k, v)), causal=causal)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True,
+                                                            **TORCH_KWARGS[causal](nq, nk)).numpy()
+    seen = ~np.isneginf(lse)
+    assert np.allclose(o[seen], want[seen], rtol=1e-12, atol=1e-12)
+    assert (o[~seen] == 0).all()
+    if causal == "bottom_right" and nq > nk:
+        assert (~seen).sum() == batch * heads * (nq - nk)  # the first nq - nk rows of every head
+    else:
+        assert seen.all()
+
+
+def test_the_reference_in_row_blocks_is_the_reference(monkeypatch):
+    """attention_reference_of computes blocks of rows of at most chunk_scores scores (a 32K x 32K call would need
+    8 GB at once); the blocks give what one block gives, and none is over the limit."""
+    q, k, v = (t.double().numpy() for t in make_inputs(2, 4, 300, 200, heads_k=2, device="cpu"))
+    blocks = []
+    real = reference.attention_reference
+
+    def spy(q, k, v, scale=None, mask=None):
+        blocks.append(q.shape[:-1] + k.shape[-2:-1])
+        return real(q, k, v, scale, mask)
+    for causal in (False, "top_left", "bottom_right"):
+        whole = reference.attention_reference_of(q, k, v, 0.1, causal, chunk_scores=10**9)
+        monkeypatch.setattr(reference, "attention_reference", spy)
+        blocks.clear()
+        parts = reference.attention_reference_of(q, k, v, 0.1, causal, chunk_scores=2 * 4 * 200 * 7)  # 7 rows a block
+        monkeypatch.setattr(reference, "attention_reference", real)
+        assert len(blocks) == -(-300 // 7) and all(int(np.prod(b)) <= 2 * 4 * 200 * 7 for b in blocks), blocks
+        for a, b in zip(whole, parts):
+            assert np.allclose(a, b, rtol=1e-13, atol=1e-13) and np.array_equal(np.isneginf(a), np.isneginf(b))
+    # the default: a 32K x 32K head's scores in blocks of CHUNK_SCORES
+    assert reference.CHUNK_SCORES * 8 <= 2**30  # 128 MiB a float64 copy: a few copies of a block fit anywhere
+
+
+def test_the_yardstick_in_row_blocks_is_the_yardstick(monkeypatch):
+    q, k, v = make_inputs(1, 4, 300, 200, heads_k=1, device="cpu")
+    for causal in (False, "top_left", "bottom_right"):
+        whole = yardstick_attention(q, k, v, 0.1, causal)
+        monkeypatch.setattr(checks, "CHUNK_SCORES", 4 * 200 * 7)
+        parts = yardstick_attention(q, k, v, 0.1, causal)
+        monkeypatch.undo()
+        assert torch.allclose(whole[0].float(), parts[0].float(), atol=1e-2) and torch.allclose(whole[1], parts[1], atol=1e-5)
+        assert torch.equal(torch.isneginf(whole[1]), torch.isneginf(parts[1]))
+
+
+def kernel_on_cpu(q, k, v, scale, causal=False, tile_k=64, diagonal_shift=0, alignment=None, kv_head=None, keyless="exact",
+                  max_before_mask=False):
+    """A causal, grouped-heads kernel in the class on the CPU: tiled_attention_fp32's online softmax in fp32 over K tiles,
+    each tile's scores masked (-inf) before its max, the shift of a row that has seen nothing yet held at 0, so that
+    a row that sees no key ends with l = 0: o = 0 and lse = -inf.
+    Ways to get it wrong, for the tests that the verdict rejects them: diagonal_shift (row i sees j <= i + offset +
+    shift: +1 one key too many, -1 one too few), alignment (the other corner's offset), kv_head(heads, heads_k) (the
+    key/value head each query head reads; right: h // (heads // heads_k)), keyless="nan" (no care for l = 0: 0/0) or
+    "lse_zero" (o = 0 but lse = 0 there), max_before_mask (the row max of a tile taken over its unmasked scores)."""
+    heads, heads_k = q.shape[1], k.shape[1]
+    index = torch.arange(heads) // (heads // heads_k) if kv_head is None else kv_head(heads, heads_k)
+    q, k, v = q.float(), k[:, index].float(), v[:, index].float()
+    nq, nk = q.shape[2], k.shape[2]
+    offset = reference.causal_offset(nq, nk, alignment or causal) if causal else None
+    scale_log2 = scale * math.log2(math.e)
+    m = torch.full(q.shape[:-1], -math.inf)
+    l_i, acc = torch.zeros(q.shape[:-1]), torch.zeros(q.shape)
+    rows = torch.arange(nq)[:, None]
+    for j in range(0, nk, tile_k):
+        s = unmasked = q @ k[..., j:j + tile_k, :].transpose(-1, -2)
+        if causal:
+            keys = torch.arange(j, min(nk, j + tile_k))[None, :]
+            s = s.masked_fill(keys > rows + offset + diagonal_shift, -math.inf)
+        m_new = torch.maximum(m, (unmasked if max_before_mask else s).amax(-1))
+        shift = torch.where(torch.isneginf(m_new), 0.0, m_new)  # nothing seen yet: exp2(-inf) = 0, not NaN
+        alpha = torch.exp2((m - shift) * scale_log2)
+        p = torch.exp2((s - shift[..., None]) * scale_log2)
+        l_i = alpha * l_i + p.sum(-1)
+        acc = alpha[..., None] * acc + p.to(torch.bfloat16).float() @ v[..., j:j + tile_k, :]
+        m = m_new
+    none = l_i == 0
+    if keyless == "nan":
+        return (acc / l_i[..., None]).to(torch.bfloat16), m * scale + torch.log(l_i)
+    o = torch.where(none[..., None], 0.0, acc / torch.where(none, 1.0, l_i)[..., None])
+    lse = torch.where(none, -math.inf if keyless == "exact" else 0.0, m * scale + torch.log(l_i))
+    return o.to(torch.bfloat16), lse
+
+
+# (batch, heads, heads_k, seqlen_q, seqlen_k): equal heads, GQA, MQA; seqlen_q <, =, > seqlen_k; one K tile and several
+GROUPED_SHAPES = [(1, 4, 4, 5, 300), (2, 4, 2, 129, 127), (1, 8, 2, 200, 100), (1, 4, 1, 100, 200), (1, 4, 2, 128, 128),
+                  (1, 2, 1, 300, 64)]
+
+
+@pytest.fixture(scope="module", params=GROUPED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def grouped_inputs(request):
+    batch, heads, heads_k, nq, nk = request.param
+    return make_inputs(batch, heads, nq, nk, heads_k=heads_k, device="cpu", seed=checks.run_seed() + 7)
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"], ids=str)
+def test_a_causal_grouped_kernel_in_the_class_passes_and_each_mistake_fails(grouped_inputs, causal):
+    q, k, v = grouped_inputs
+    case = prepare(q, k, v, causal=causal)
+    nq, nk, heads, heads_k = q.shape[2], k.shape[2], q.shape[1], k.shape[1]
+    keyless = int(np.isneginf(case.lse_ref).sum())
+    assert keyless == (q.shape[0] * heads * max(0, nq - nk) if causal == "bottom_right" else 0)
+    for name, (o, lse) in {"rounded reference": rounded_reference(case), "yardstick": yardstick_attention(q, k, v, case.scale, causal),
+                           "kernel": kernel_on_cpu(q, k, v, case.scale, causal)}.items():
+        err = errors_of(case, o, lse)
+        assert not err.failures(), f"{name} ({causal}): {err.failures()} ({err}); {replay()}"
+        assert err.nonfinite_lse == 0 and err.wrong_keyless == 0
+    wrong = {}
+    if causal:
+        wrong["row i sees j <= i + 1 (one key past the diagonal)"] = dict(diagonal_shift=1)
+        wrong["row i sees j < i (the diagonal's own key missed)"] = dict(diagonal_shift=-1)
+        if nq != nk:  # the corners' diagonals differ only then
+            wrong["the other corner's diagonal"] = dict(alignment="top_left" if causal == "bottom_right" else "bottom_right")
+        if keyless:
+            wrong["0/0 in the rows that see no key"] = dict(keyless="nan")
+            wrong["lse = 0 in the rows that see no key"] = dict(keyless="lse_zero")
+    if 1 < heads_k < heads:  # (one key/value head, or one per query head: any map is the right one)
+        wrong["query head h reads key/value head h % heads_k"] = dict(kv_head=lambda h, hk: torch.arange(h) % hk)
+    for what, mistake in wrong.items():
+        bad = errors_of(case, *kernel_on_cpu(q, k, v, case.scale, causal, **mistake)).failures()
+        assert bad, f"{what} ({causal}, {tuple(q.shape)} x {tuple(k.shape)}) passed the verdict; {replay()}"
+
+
+@pytest.mark.parametrize("what", ["o 2^-100 in one keyless row", "lse -inf in a row that sees keys", "lse +inf in a keyless row",
+                                  "lse NaN in a keyless row"])
+def test_rows_that_see_no_key_are_exact_or_fail(what):
+    """bottom_right with seqlen_q > seqlen_k: the first rows see no key. o = 0 and lse = -inf there pass, and count as
+    neither an error nor non-finite; anything else there (a tiny o, a NaN) fails, as does -inf in a row that sees keys."""
+    q, k, v = make_inputs(1, 2, 100, 40, device="cpu")
+    case = prepare(q, k, v, causal="bottom_right")
+    assert np.isneginf(case.lse_ref[:, :, :60]).all() and np.isfinite(case.lse_ref[:, :, 60:]).all()
+    assert (case.o_ref[:, :, :60] == 0).all()
+    o, lse = rounded_reference(case)
+    err = errors_of(case, o, lse)
+    assert err.failures() == [] and err.lse_max_abs < 1e-5 and err.nonfinite_lse == 0 and err.wrong_keyless == 0
+    if what == "o 2^-100 in one keyless row":
+        o[0, 1, 7, 3] = 2.0**-100
+    elif what == "lse -inf in a row that sees keys":
+        lse[0, 0, 60] = -math.inf
+    elif what == "lse +inf in a keyless row":
+        lse[0, 0, 3] = math.inf
+    else:
+        lse[0, 1, 0] = math.nan
+    bad = errors_of(case, o, lse).failures()
+    assert bad, f"{what}: passed"
+    if what != "lse -inf in a row that sees keys":
+        assert any("rows that see no key have o != 0 or lse != -inf" in b for b in bad), bad
+    else:
+        assert any("non-finite" in b for b in bad) and any("LSE max abs error inf" in b for b in bad), bad
+
+
+def test_the_causal_adversarial_case_has_its_property():
+    """masked_keys_above_by_100: in each row's diagonal K tile the keys past the diagonal score above every key the row
+    sees there, by up to 100 nats (row 0, top left: its one key against the rest of tile 0); the rounded reference, the
+    yardstick and the CPU kernel pass the verdict on it (both corners); a kernel with the diagonal one off fails, and so
+    does one that takes a tile's max before its mask (top left)."""
+    tile_q = tile_k = 64
+    q, k, v = checks.adversarial_inputs("masked_keys_above_by_100", tile_q, tile_k, device="cpu")
+    s = (q.double() @ k.double().transpose(-1, -2)).numpy() * checks.DEFAULT_SCALE
+    row0 = s[0, 0, 0, :tile_k]
+    assert row0[1:].max() - row0[0] > 90  # top left: row 0 sees key 0 alone, the masked rest of its tile ~100 nats up
+    assert set(CAUSAL_ADVERSARIAL) == {"masked_keys_above_by_100"}
+    for causal in ("top_left", "bottom_right"):
+        case = prepare(q, k, v, causal=causal)
+        for name, (o, lse) in {"rounded reference": rounded_reference(case),
+                               "yardstick": yardstick_attention(q, k, v, case.scale, causal),
+                               "kernel": kernel_on_cpu(q, k, v, case.scale, causal, tile_k=tile_k)}.items():
+            err = errors_of(case, o, lse)
+            assert not err.failures(), f"{name} ({causal}): {err.failures()} ({err}); {replay()}"
+        for shift in (1, -1):
+            assert errors_of(case, *kernel_on_cpu(q, k, v, case.scale, causal, tile_k=tile_k, diagonal_shift=shift)).failures()
+    # what the case is for: a kernel that takes each tile's max before masking it loses the first rows' keys in
+    # the masked ones' shadow (random inputs hide it: their masked keys are a few nats up at most)
+    case = prepare(q, k, v, causal="top_left")
+    bad = errors_of(case, *kernel_on_cpu(q, k, v, case.scale, "top_left", tile_k=tile_k, max_before_mask=True)).failures()
+    assert any("O error" in b for b in bad), bad
+
+
+def test_the_reference_cache_knows_causal_and_the_key_value_heads(tmp_path, monkeypatch):
+    """One cache_key, other causal masks or other key/value heads: other files, never another call's reference."""
+    monkeypatch.setattr(checks, "CACHE_DIR", tmp_path)
+    q, k, v = make_inputs(1, 4, 64, 64, device="cpu")
+    key = ("test", "same key")
+    dense = prepare(q, k, v, cache_key=key)
+    top_left = prepare(q, k, v, cache_key=key, causal="top_left")
+    grouped = prepare(q, k[:, :2], v[:, :2], cache_key=key)
+    assert not np.array_equal(dense.lse_ref, top_left.lse_ref) and not np.array_equal(dense.lse_ref, grouped.lse_ref)
+    assert len(list(tmp_path.glob("*.npz"))) == 3
+    for case, causal, kv in ((dense, False, (k, v)), (top_left, "top_left", (k, v)), (grouped, False, (k[:, :2], v[:, :2]))):
+        fresh = prepare(q, *kv, causal=causal)
+        assert np.array_equal(case.o_ref, fresh.o_ref) and np.array_equal(case.lse_ref, fresh.lse_ref)
+    monkeypatch.setattr(checks, "attention_reference_of", None)  # from the files now
+    again = prepare(q, k, v, cache_key=key, causal="top_left")
+    assert np.array_equal(again.lse_ref, top_left.lse_ref)
+
+
+def test_random_case_labels_and_keys_name_causal_and_the_heads(monkeypatch, tmp_path):
+    monkeypatch.setattr(checks, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(checks, "make_inputs", lambda *a, **kw: make_inputs(*a, **{**kw, "device": "cpu"}))
+    checks.random_case.cache_clear()
+    try:
+        case = checks.random_case(1, 4, 30, 50, 1.0, "bottom_right", 2)
+        assert case.label == "random x1 1x4x30x50, 2 kv heads, causal bottom_right" and case.causal == "bottom_right"
+        assert case.k.shape == (1, 2, 50, 128) and case.q.shape == (1, 4, 30, 128)
+        assert checks.random_case(1, 4, 30, 50).label == "random x1 1x4x30x50" and len(list(tmp_path.glob("*.npz"))) == 2
+    finally:
+        checks.random_case.cache_clear()
+
+
+def test_bad_causal_values_are_refused_by_the_checks():
+    q, k, v = make_inputs(1, 2, 4, 4, device="cpu")
+    for causal in ("lower_right", True, 1):
+        with pytest.raises(ValueError, match="alignment"):
+            prepare(q, k, v, causal=causal)

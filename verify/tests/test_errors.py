@@ -5,6 +5,8 @@ The metadata checks run on CPU tensors too (so CI without a GPU tests them), and
 behind them) for sizes no GPU could hold; the alignment and overlap checks need a GPU. The GPU's own check (its
 architecture against the step's library, its shared memory per block against the step's) runs on CPU with a faked
 device: the binding's device-properties function replaced by one that plays an RTX 4090, a T4, an H200.
+Causal masks and grouped key/value heads: a step without them (info["causal"], info["gqa"] False) refuses them in one
+clear ValueError; a step with them takes them (meta tensors), and refuses heads that do not divide.
 """
 import ctypes
 import math
@@ -72,7 +74,91 @@ def test_not_a_tensor(mod):
 def test_shape_mismatch(mod):
     q, k, v = qkv(mod)
     expect(mod, "k and v must have the same shape", q, k, v[:, :1])
-    expect(mod, "agree on \\[batch, heads\\]", q, k[:, :1], v[:, :1])
+    if mod.info["gqa"]:  # one key/value head of two query heads is multi-query attention; three do not divide two
+        three = qkv(mod, h=3)
+        expect(mod, "k/v's heads must divide q's", q, three[1], three[2])
+        expect(mod, "must agree on batch", *qkv(mod, b=2)[:1], k, v)
+    else:
+        expect(mod, "agree on \\[batch, heads\\]", q, k[:, :1], v[:, :1])
+
+
+# ---- causal masks and grouped key/value heads ----
+
+NOT_A_CAUSAL = "causal=.*: give False, 'top_left' \\(SDPA's is_causal=True: row i sees keys 0..i\\) or 'bottom_right'"
+
+
+@pytest.mark.parametrize("causal", [True, 1, 2, "causal", "TOP_LEFT", "lower_right", "upper_left", 0.0, torch.tensor(True)],
+                         ids=repr)
+def test_causal_must_be_false_or_an_alignment(mod, causal):
+    """Every step, causal or not, says what `causal` takes (True is refused: which corner would it mean?)."""
+    q, k, v = (meta(t.shape) for t in qkv(mod))
+    with pytest.raises(ValueError, match=NOT_A_CAUSAL):
+        mod.attention(q, k, v, causal=causal)
+    with pytest.raises(ValueError, match=NOT_A_CAUSAL):
+        mod.attention_out(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3], device="meta"), causal=causal)
+
+
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+def test_causal_masks_are_refused_by_a_step_without_them(mod, causal):
+    q, k, v = qkv(mod)  # on DEV: the refusal comes before any device check
+    if mod.info["causal"]:
+        o, lse = mod.attention(*(meta(t.shape) for t in (q, k, v)), causal=causal)
+        assert o.shape == q.shape and lse.shape == q.shape[:3]
+        return
+    expect(mod, f"flashladder.{mod.info['step']}: this step is non-causal \\(causal='{causal}'\\); causal masks come in step15",
+           q, k, v, exc=ValueError, causal=causal)
+    with pytest.raises(ValueError, match="this step is non-causal"):
+        mod.attention_out(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3], device=q.device), causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, None])
+def test_no_causal_mask_is_every_step_s(mod, causal):
+    q, k, v = (meta(t.shape) for t in qkv(mod))
+    o, lse = mod.attention(q, k, v, causal=causal)
+    assert o.shape == q.shape and lse.shape == q.shape[:3]
+
+
+def test_op_called_directly_checks_causal(mod):
+    """torch.ops.flashladder.<step>(q, k, v, scale, causal): the op's own check of its integer (meta tensors: its fake)."""
+    q, k, v = (meta(t.shape) for t in qkv(mod))
+    op = getattr(torch.ops.flashladder, mod.info["step"])
+    for code in (3, -1, 7):
+        with pytest.raises(ValueError, match="the op takes 0 \\(none\\), 1 \\(top left\\) or 2 \\(bottom right\\)"):
+            op(q, k, v, 0.1, code)
+    o, lse = op(q, k, v, 0.1, 0)
+    assert o.shape == q.shape
+    for code in (1, 2):
+        if mod.info["causal"]:
+            assert op(q, k, v, 0.1, code)[0].shape == q.shape
+        else:
+            with pytest.raises(ValueError, match=f"this step is non-causal \\(causal={code}\\); causal masks come in step15"):
+                op(q, k, v, 0.1, code)
+
+
+@pytest.mark.parametrize("heads, heads_k", [(4, 2), (4, 1), (32, 8), (6, 3)])
+def test_fewer_key_value_heads(mod, heads, heads_k):
+    """GQA (a divisor of the query heads) and MQA (one): taken by a step with info["gqa"], refused in one line by the
+    others (meta tensors: no GPU needed)."""
+    n = seqlen(mod)
+    q, kv = meta((2, heads, n, 128)), meta((2, heads_k, n, 128))
+    if mod.info["gqa"]:
+        o, lse = mod.attention(q, kv, kv)
+        assert o.shape == q.shape and lse.shape == q.shape[:3]
+        mod.attention_out(q, kv, kv, torch.empty_like(q), torch.empty(q.shape[:3], device="meta"))
+        return
+    match = (f"flashladder.{mod.info['step']}: q and k/v must agree on \\[batch, heads\\], got \\(2, {heads}, {n}, 128\\) and "
+             f"\\(2, {heads_k}, {n}, 128\\) \\(fewer key/value heads than query heads: step15 takes them\\)")
+    expect(mod, match, q, kv, kv, exc=ValueError)
+
+
+@pytest.mark.parametrize("q_shape, kv_shape", [((1, 4, None, 128), (1, 3, None, 128)), ((1, 2, None, 128), (1, 4, None, 128)),
+                                               ((2, 4, None, 128), (1, 2, None, 128)), ((1, 4, None, 128), (1, 0, None, 128))],
+                         ids=["3-of-4", "more-kv-heads", "batch", "no-kv-heads"])
+def test_key_value_heads_that_do_not_divide_are_refused(mod, q_shape, kv_shape):
+    n = seqlen(mod)
+    q, kv = meta(tuple(n if d is None else d for d in q_shape)), meta(tuple(n if d is None else d for d in kv_shape))
+    match = "k/v's heads must divide q's" if mod.info["gqa"] else "must agree on \\[batch, heads\\]"
+    expect(mod, match, q, kv, kv, exc=ValueError)
 
 
 def test_seqlen_multiple(mod):

@@ -5,7 +5,9 @@ tensors, a GPU faked where it matters); positional and keyword calls; the counts
 inactive after its `with`, an exception included; nothing active after a step's import. A stand-in op (plain torch
 attention, on CPU) takes the routed calls, so that the routing runs end to end on CPU, in eager and under
 torch.compile (aot_eager: the graph as inductor would get it, without a C++ compiler), and the steps' own ops run on
-fake CUDA tensors and, under torch.compile, on meta tensors.
+fake CUDA tensors and, under torch.compile, on meta tensors. A step with causal masks and grouped heads
+(info["causal"], info["gqa"]: limits with FEATURE_CAUSAL | FEATURE_GQA) takes is_causal=True, torch's causal biases and
+enable_gqa with fewer key/value heads, and its attention function gets causal="top_left" or "bottom_right".
 GPU: a small DiT-like module routed to each step: every call within the step's bounds against the float64 reference
 (verify/checks.py), under torch.compile and in a CUDA graph too.
 """
@@ -18,6 +20,8 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left  # noqa: E402
+
 from verify import steps as steps_mod  # noqa: E402
 from verify.tests.conftest import needs_gpu  # noqa: E402
 
@@ -25,6 +29,8 @@ binding = importlib.import_module("binding")  # common/binding.py, on sys.path t
 
 BF16 = torch.bfloat16
 LIMITS = binding.SdpaLimits("stepX", seqlen_multiple=(64, 64), archs=("sm_90a",))  # a step built for Hopper alone
+FEATURES = binding.FEATURE_CAUSAL | binding.FEATURE_GQA
+CAUSAL_LIMITS = LIMITS._replace(step="stepY", seqlen_multiple=(1, 1), features=FEATURES)  # step15's kind
 H200 = binding.Device("NVIDIA H200 (pretend)", 9, 0, 227 * 1024)
 RTX_4090 = binding.Device("NVIDIA GeForce RTX 4090 (pretend)", 8, 9, 99 * 1024)
 
@@ -87,7 +93,12 @@ FALLS_BACK = {
     "gqa": (lambda: ((meta(1, 4, 128, 128), meta(1, 2, 128, 128), meta(1, 2, 128, 128)), {"enable_gqa": True}), "cuda:0",
             "enable_gqa with 4 query heads and 2 key/value heads: the step needs as many key/value heads as query heads"),
     "heads differ": (lambda: ((meta(1, 4, 128, 128), meta(1, 2, 128, 128), meta(1, 2, 128, 128)), {}), "cuda:0",
-                     "q and k/v must agree on [batch, heads], got (1, 4, 128, 128) and (1, 2, 128, 128)"),
+                     "4 query heads and 2 key/value heads without enable_gqa (torch broadcasts a single key/value head "
+                     "and refuses other counts; the step leaves it to torch)"),
+    "causal bias": (lambda: (qkv(), {"attn_mask": causal_lower_right(128, 128)}), "cuda:0",
+                    "attn_mask is a causal bias (bottom_right): the step is non-causal"),
+    "causal bias, upper left": (lambda: (qkv(), {"attn_mask": causal_upper_left(128, 128)}), "cuda:0",
+                                "attn_mask is a causal bias (top_left): the step is non-causal"),
     "fp16": (lambda: (qkv(dtype=torch.float16), {}), "cuda:0",
              "q has dtype torch.float16; flashladder computes in torch.bfloat16 only"),
     "head dim 64": (lambda: (qkv(d=64), {}), "cuda:0", "head dim must be 128, q has shape (1, 2, 128, 64)"),
@@ -117,6 +128,97 @@ def test_what_falls_back_and_why(case, on_h200):
     make, device, reason = FALLS_BACK[case]
     args, kwargs = make()
     assert binding.route_reason(described(args, kwargs, device), LIMITS, grad_enabled=True) == reason
+
+
+def gqa(heads=4, heads_k=2, n=128, nk=None, b=1, b_k=None):
+    nk = n if nk is None else nk
+    return meta(b, heads, n, 128), meta(b if b_k is None else b_k, heads_k, nk, 128), meta(b if b_k is None else b_k, heads_k, nk, 128)
+
+
+CAUSAL_ROUTES = {
+    "is_causal": lambda: (qkv(), {"is_causal": True}),
+    "is_causal, seqlen_q < seqlen_k": lambda: (qkv(n=100, nk=300), {"is_causal": True}),
+    "is_causal by position": lambda: ((*qkv(), None, 0.0, True), {}),
+    "causal_upper_left": lambda: (qkv(n=64, nk=192), {"attn_mask": causal_upper_left(64, 192)}),
+    "causal_lower_right": lambda: (qkv(n=64, nk=192), {"attn_mask": causal_lower_right(64, 192)}),
+    "causal_lower_right, seqlen_q > seqlen_k": lambda: (qkv(n=300, nk=100), {"attn_mask": causal_lower_right(300, 100)}),
+    "enable_gqa 4/2": lambda: (gqa(), {"enable_gqa": True}),
+    "enable_gqa 32/8": lambda: (gqa(32, 8), {"enable_gqa": True}),
+    "enable_gqa, one key/value head (MQA)": lambda: (gqa(8, 1), {"enable_gqa": True}),
+    "enable_gqa and is_causal": lambda: (gqa(32, 8, n=100, nk=300), {"enable_gqa": True, "is_causal": True}),
+    "enable_gqa and causal_lower_right": lambda: (gqa(4, 1, n=64, nk=192),
+                                                  {"enable_gqa": True, "attn_mask": causal_lower_right(64, 192)}),
+    "enable_gqa with equal heads": lambda: (qkv(), {"enable_gqa": True}),
+    "strided views": lambda: ((transposed(), transposed(n=256), transposed(n=256)), {"is_causal": True}),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")  # torch's; the step gives o = 0 there
+@pytest.mark.parametrize("case", CAUSAL_ROUTES)
+def test_what_routes_to_a_step_with_causal_masks_and_grouped_heads(case, on_h200):
+    args, kwargs = CAUSAL_ROUTES[case]()
+    assert binding.route_reason(described(args, kwargs), CAUSAL_LIMITS, grad_enabled=False) is None
+
+
+CAUSAL_FALLS_BACK = {
+    "a mask that is not a causal bias": (lambda: (qkv(), {"attn_mask": meta(128, 128)}),
+                                         "attn_mask is given: the step takes no mask"),
+    "a causal bias and is_causal": (lambda: (qkv(), {"attn_mask": causal_upper_left(128, 128), "is_causal": True}),
+                                    "attn_mask and is_causal are both given"),
+    "a causal bias of other lengths": (lambda: (qkv(n=128, nk=256), {"attn_mask": causal_lower_right(128, 128)}),
+                                       "the causal bias was made for 128 x 128, the call has 128 x 256"),
+    "heads that do not divide": (lambda: (gqa(4, 3), {"enable_gqa": True}),
+                                 "q and k/v must agree on batch, and k/v's heads must divide q's, got (1, 4, 128, 128) "
+                                 "and (1, 3, 128, 128)"),
+    "more key/value heads than query heads": (lambda: (gqa(2, 4), {"enable_gqa": True}),
+                                              "q and k/v must agree on batch, and k/v's heads must divide q's, got "
+                                              "(1, 2, 128, 128) and (1, 4, 128, 128)"),
+    "batch differs": (lambda: (gqa(4, 2, b=2, b_k=1), {"enable_gqa": True}),
+                      "q and k/v must agree on batch, and k/v's heads must divide q's, got (2, 4, 128, 128) and "
+                      "(1, 2, 128, 128)"),
+    "heads differ without enable_gqa": (lambda: (gqa(4, 2), {}),
+                                        "4 query heads and 2 key/value heads without enable_gqa (torch broadcasts a "
+                                        "single key/value head and refuses other counts; the step leaves it to torch)"),
+    "one key/value head without enable_gqa": (lambda: (gqa(4, 1), {}),
+                                              "4 query heads and 1 key/value heads without enable_gqa (torch broadcasts a "
+                                              "single key/value head and refuses other counts; the step leaves it to torch)"),
+    "dropout": (lambda: (qkv(), {"is_causal": True, "dropout_p": 0.1}), "dropout_p=0.1: the step has no dropout"),
+    "needs grad": (lambda: (qkv(requires_grad=True), {"is_causal": True}),
+                   "gradients are needed: the step computes no backward (run the model under torch.no_grad())"),
+}
+
+
+@pytest.mark.parametrize("case", CAUSAL_FALLS_BACK)
+def test_what_falls_back_from_a_step_with_causal_masks_and_grouped_heads(case, on_h200):
+    make, reason = CAUSAL_FALLS_BACK[case]
+    args, kwargs = make()
+    assert binding.route_reason(described(args, kwargs), CAUSAL_LIMITS, grad_enabled=True) == reason
+
+
+@pytest.mark.parametrize("features, reason", [
+    (0, "is_causal=True: the step is non-causal"),
+    (binding.FEATURE_GQA, "is_causal=True: the step is non-causal"),
+    (binding.FEATURE_CAUSAL, "enable_gqa with 4 query heads and 2 key/value heads: the step needs as many key/value heads "
+                             "as query heads"),
+    (FEATURES, None),
+], ids=["none", "gqa-only", "causal-only", "both"])
+def test_each_feature_lets_through_its_own_calls(features, reason, on_h200):
+    """is_causal with grouped heads needs both features; each alone refuses what the other one takes."""
+    call = described(gqa(), {"enable_gqa": True, "is_causal": True})
+    assert binding.route_reason(call, LIMITS._replace(features=features), grad_enabled=False) == reason
+    if features & binding.FEATURE_GQA:
+        assert binding.route_reason(described(gqa(), {"enable_gqa": True}), LIMITS._replace(features=features), False) is None
+    if features & binding.FEATURE_CAUSAL:
+        assert binding.route_reason(described(qkv(), {"is_causal": True}), LIMITS._replace(features=features), False) is None
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+def test_torch_s_causal_biases_are_described_as_causal_masks():
+    assert binding.describe(causal_upper_left(3, 5)) == binding.CausalMask("top_left", 3, 5)
+    assert binding.describe(causal_lower_right(5, 3)) == binding.CausalMask("bottom_right", 5, 3)
+    assert binding.describe(meta(3, 5)) != binding.CausalMask("top_left", 3, 5)  # a plain tensor stays a TensorMeta
+    assert described(qkv(), {"attn_mask": causal_lower_right(128, 128)})["attn_mask"] == \
+        binding.CausalMask("bottom_right", 128, 128)
 
 
 def test_tensors_on_several_devices_fall_back():
@@ -159,15 +261,22 @@ CALLS = collections.Counter()  # how often each stand-in op ran (eagerly, or its
 
 
 @torch.library.custom_op("flashladder_test::attention", mutates_args=())
-def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention in float32, bf16 out: plays a step's op on CPU."""
+def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention in float32, bf16 out: plays a step's op on CPU (causal as the steps' ops take it: 0, 1 top left,
+    2 bottom right; k, v with a divisor of q's heads: head h reads key/value head h // (heads // heads_k))."""
     CALLS["stand_in"] += 1
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        nq, nk = s.shape[-2:]
+        offset = 0 if causal == binding.CAUSAL["top_left"] else nk - nq
+        s = s.masked_fill(torch.arange(nk) > torch.arange(nq)[:, None] + offset, -math.inf)
     return torch.matmul(s.softmax(-1), v.float()).to(q.dtype), s.logsumexp(-1)
 
 
 @stand_in.register_fake
-def _(q, k, v, scale):
+def _(q, k, v, scale, causal=0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -182,15 +291,17 @@ def _(q, k, v, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def stand_in_attention(q, k, v, scale):
-    return stand_in(q, k, v, scale)[0]
+def stand_in_attention(q, k, v, scale, causal=False):
+    """The router's attention function: (q, k, v, scale, causal=False | "top_left" | "bottom_right") -> o."""
+    return stand_in(q, k, v, scale, binding.check_causal("stand_in", causal, FEATURES))[0]
 
 
-def zeros_attention(q, k, v, scale):
+def zeros_attention(q, k, v, scale, causal=False):
     return zeros_op(q, k, v, scale)[0]
 
 
 CPU_LIMITS = binding.SdpaLimits("cpu_stand_in", seqlen_multiple=(1, 1), devices=("cpu",))
+CPU_CAUSAL_LIMITS = CPU_LIMITS._replace(step="cpu_causal_stand_in", features=FEATURES)
 
 
 def router(strict=False, attention=stand_in_attention, limits=CPU_LIMITS):
@@ -251,6 +362,58 @@ def test_a_call_that_falls_back_is_torch_s_own():
         "q has dtype torch.float32; flashladder computes in torch.bfloat16 only": 1,
         "attn_mask is given: the step takes no mask": 1,
         "is_causal=True: the step is non-causal": 1})
+
+
+def test_a_causal_call_reaches_the_attention_function_with_its_alignment():
+    """A router of a step with causal masks and grouped heads: is_causal=True and causal_upper_left give the attention
+    function causal="top_left", causal_lower_right "bottom_right", any other call causal=False; each output is what
+    torch computes for the call (in float64), and the two corners differ where seqlen_q != seqlen_k."""
+    q, k, v = cpu_qkv(n=24, nk=40)
+    got = []
+
+    def attention(q, k, v, scale, causal=False):
+        got.append(causal)
+        return stand_in_attention(q, k, v, scale, causal)
+    calls = [({}, False), ({"is_causal": True}, "top_left"), ({"attn_mask": causal_upper_left(24, 40)}, "top_left"),
+             ({"attn_mask": causal_lower_right(24, 40)}, "bottom_right"), ({"is_causal": False}, False)]
+    with router(attention=attention, limits=CPU_CAUSAL_LIMITS) as r:
+        outs = [F.scaled_dot_product_attention(q, k, v, **kwargs) for kwargs, _ in calls]
+    assert got == [alignment for _, alignment in calls] and r.routed == len(calls) and not r.fallbacks, (got, r.fallbacks)
+    for (kwargs, _), o in zip(calls, outs):
+        want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kwargs)
+        assert torch.allclose(o.double(), want, atol=1e-2, rtol=1e-2), (kwargs, (o.double() - want).abs().max())
+    assert not torch.allclose(outs[1], outs[3], atol=1e-2), "top left and bottom right gave the same output"
+
+
+def test_a_grouped_heads_call_reaches_the_attention_function():
+    """enable_gqa with 4 query heads and 2 (or 1) key/value heads, causal or not: routed as it is (no repeated heads),
+    and the output is torch's."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 24, 128, generator=gen).to(BF16)
+    kvs = {heads_k: tuple(torch.randn(2, heads_k, 40, 128, generator=gen).to(BF16) for _ in range(2)) for heads_k in (2, 1)}
+    calls = [(heads_k, kwargs) for heads_k in kvs for kwargs in ({}, {"is_causal": True},
+                                                                 {"attn_mask": causal_lower_right(24, 40)})]
+    with router(limits=CPU_CAUSAL_LIMITS) as r:
+        outs = [F.scaled_dot_product_attention(q, *kvs[heads_k], enable_gqa=True, **kwargs) for heads_k, kwargs in calls]
+        # without enable_gqa, torch broadcasts one key/value head: its own call
+        broadcast = F.scaled_dot_product_attention(q, *kvs[1])
+    assert r.routed == len(calls) and r.fallbacks == collections.Counter({
+        "4 query heads and 1 key/value heads without enable_gqa (torch broadcasts a single key/value head and refuses "
+        "other counts; the step leaves it to torch)": 1})
+    for (heads_k, kwargs), o in zip(calls, outs):
+        k, v = kvs[heads_k]
+        want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True, **kwargs)
+        assert torch.allclose(o.double(), want, atol=1e-2, rtol=1e-2), (heads_k, kwargs)
+    assert torch.equal(broadcast, F.scaled_dot_product_attention(q, *kvs[1]))
+
+
+def test_a_causal_call_falls_back_from_a_step_without_causal_masks():
+    q, k, v = cpu_qkv(n=24, nk=40)
+    with router() as r:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(24, 40))
+    assert torch.equal(o, F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(24, 40)))
+    assert r.routed == 0 and r.fallbacks == collections.Counter(
+        {"attn_mask is a causal bias (bottom_right): the step is non-causal": 1})
 
 
 def test_calls_are_caught_however_sdpa_was_imported():
@@ -360,6 +523,36 @@ def test_a_step_takes_fake_cuda_tensors_on_a_gpu_it_runs_on(mod, monkeypatch, gp
             "needs an sm_90 GPU (H100/H200; built for sm_90a alone), but cuda:0 is NVIDIA GeForce RTX 4090 (pretend) (sm_89)"]
 
 
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+def test_a_step_s_router_takes_causal_and_grouped_calls_where_the_step_does(mod, monkeypatch):
+    """On fake CUDA tensors (a faked H200): is_causal=True, torch's causal bias and enable_gqa with fewer key/value heads
+    go to a step with info["causal"] and info["gqa"] (its op's fake implementation, causal code and all), and fall back
+    from the others, saying why."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    monkeypatch.setattr(mod._binding, "_device_props", lambda index: H200)
+    n = math.lcm(mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"], 64)
+    bias = causal_lower_right(n, n)  # made outside the fake mode (a tensor subclass of its own)
+    with FakeTensorMode():
+        q = torch.empty(1, 4, n, 128, dtype=BF16, device="cuda")
+        kv = torch.empty(1, 2, n, 128, dtype=BF16, device="cuda")
+        with mod.sdpa() as r:
+            outs = [F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                    F.scaled_dot_product_attention(q, q, q, attn_mask=bias),
+                    F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True),
+                    F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True, is_causal=True)]
+    assert all(o.shape == q.shape and o.dtype == BF16 for o in outs)
+    causal, gqa = mod.info["causal"], mod.info["gqa"]
+    assert r.routed == int(causal) * 2 + int(gqa) + int(causal and gqa), (mod.info["step"], r.fallbacks)
+    expected = collections.Counter()
+    if not causal:
+        expected["is_causal=True: the step is non-causal"] += 2
+        expected["attn_mask is a causal bias (bottom_right): the step is non-causal"] += 1
+    if not gqa:
+        expected["enable_gqa with 4 query heads and 2 key/value heads: the step needs as many key/value heads as query "
+                 "heads"] += 1 + int(causal)
+    assert r.fallbacks == expected, r.fallbacks
+
+
 # ---------------------------------------------------------------- under torch.compile (CPU: aot_eager)
 
 class TwoAttentions(torch.nn.Module):
@@ -444,6 +637,25 @@ def test_dynamic_shapes_are_made_static_for_the_decision(fresh_compile):
                 "q has dtype torch.float32; flashladder computes in torch.bfloat16 only"], (n, r)
             assert torch.allclose(got, want, atol=1e-3, rtol=1e-3), n
     assert len(graphs) >= 3  # one for each seqlen at least (the specialized float may add one)
+
+
+def test_a_causal_call_under_torch_compile(fresh_compile):
+    """is_causal=True (and grouped heads) in a compiled function: traced once, into the stand-in op with its causal
+    argument, and the same output as eager."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 24, 128, generator=gen).to(BF16)
+    k, v = (torch.randn(1, 2, 40, 128, generator=gen).to(BF16) for _ in range(2))
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+    with router(limits=CPU_CAUSAL_LIMITS) as r_eager:
+        want = f(q, k, v)
+    graphs = []
+    with router(limits=CPU_CAUSAL_LIMITS) as r:
+        got = torch.compile(f, backend=recording_backend(graphs), fullgraph=True)(q, k, v)
+    assert r_eager.routed == r.routed == 1 and not r.fallbacks
+    assert len(graphs) == 1 and "flashladder_test.attention" in str(graphs[0].graph), graphs[0].graph
+    assert torch.equal(got, want)
 
 
 def test_strict_under_torch_compile_raises_while_tracing(fresh_compile):
@@ -596,3 +808,24 @@ def test_a_dit_in_a_cuda_graph_routes_every_call(mod):
     rel = float((a - b).norm() / b.norm())  # the same kernels on the same inputs (cuBLAS may pick other algorithms)
     assert rel < 1e-3, f"the graph's replay against the same model run eagerly with the router: relative error {rel:.3g}"
     assert not torch.equal(static_out, first), "the replay did not compute on the new inputs"
+
+
+@needs_gpu
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+def test_routed_causal_and_grouped_calls_are_within_the_step_s_bounds(mod):
+    """is_causal=True, torch's two causal biases and enable_gqa (8 query heads, 2 key/value heads), through the step's
+    own router: each call routed, its O within the step's bounds for that mask (verify/checks.py)."""
+    if not (mod.info["causal"] and mod.info["gqa"]):
+        pytest.skip(f"{mod.info['step']} takes no causal masks or grouped heads: its router falls back (CPU tests say why)")
+    from verify.checks import errors_of, make_inputs, prepare, replay
+    for nq, nk in ((300, 1000), (1000, 300)):
+        q, k, v = make_inputs(2, 8, nq, nk, heads_k=2)
+        calls = [({"is_causal": True}, "top_left"), ({"attn_mask": causal_upper_left(nq, nk)}, "top_left"),
+                 ({"attn_mask": causal_lower_right(nq, nk)}, "bottom_right"), ({}, False)]
+        with torch.no_grad(), mod.sdpa(strict=True) as r:
+            outs = [F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs) for kwargs, _ in calls]
+        assert r.routed == len(calls) and not r.fallbacks
+        for (kwargs, causal), o in zip(calls, outs):
+            case = prepare(q, k, v, causal=causal)
+            err = errors_of(case, o, torch.from_numpy(case.lse_ref))  # O judged; the drop-in returns no LSE
+            assert not err.failures(), f"{nq}x{nk} {kwargs}: {'; '.join(err.failures())}; {replay()}"

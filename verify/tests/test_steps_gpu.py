@@ -3,7 +3,8 @@
 Shapes are counted in the step's own tiles (info["tile_q"], ["tile_k"]), so every step,
 whatever its tiles, gets its smallest cases. Inputs come from one seed per run (every failure prints the
 FLASHLADDER_SEED=... that replays it); the float64 reference of each case is computed once per run and shared
-by the steps (verify/checks.py).
+by the steps (verify/checks.py). A step with causal masks or grouped key/value heads (info["causal"], info["gqa"]: step15)
+is checked with them too, at ragged lengths up to 32760, including rows and whole work tiles that see no key.
 """
 import pytest
 
@@ -11,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from verify.checks import (  # noqa: E402
     ADVERSARIAL,
+    CAUSAL_ADVERSARIAL,
     CORRUPTIONS,
     adversarial_case,
     check,
@@ -18,6 +20,7 @@ from verify.checks import (  # noqa: E402
     errors_of,
     make_inputs,
     measure_errors,
+    prepare,
     random_case,
     replay,
     run_poisoned,
@@ -287,4 +290,197 @@ def test_cuda_graph_capture(mod):
     torch.cuda.synchronize()
     o_new, lse_new = mod.attention(q, k, v)
     assert not torch.equal(o_new, o_eager), f"new inputs should give a new output; {replay()}"
+    assert torch.equal(o, o_new) and torch.equal(lse, lse_new), f"the replayed graph did not recompute; {replay()}"
+
+
+# ---------------------------------------------------------------- causal masks and grouped key/value heads (step15 on)
+# Only for the steps that take them (info["causal"], info["gqa"]); the others refuse them (test_errors.py). The comments
+# count in step15's 128 x 128 tiles.
+
+ALIGNMENTS = ["top_left", "bottom_right"]
+
+
+def needs_causal(mod):
+    if not mod.info["causal"]:
+        pytest.skip(f"{mod.info['step']} has no causal masks (info['causal']): test_errors.py checks that it refuses them")
+    if not takes_any_seqlen(mod):
+        pytest.skip("these shapes need a step that takes any seqlen")
+
+
+def needs_gqa(mod):
+    if not mod.info["gqa"]:
+        pytest.skip(f"{mod.info['step']} needs as many key/value heads as query heads (info['gqa']): test_errors.py checks "
+                    "that it refuses fewer")
+    if not takes_any_seqlen(mod):
+        pytest.skip("these shapes need a step that takes any seqlen")
+
+
+# (batch, heads, seqlen_q, seqlen_k): ragged lengths 1, 127, 129, 1000, 32760, seqlen_q below, equal to and above seqlen_k
+CAUSAL_SHAPES = [
+    (1, 1, 1, 1),          # one query, one key: both corners, the same single score
+    (1, 2, 1, 1000),       # one query: top left it sees key 0 alone, bottom right every key
+    (1, 2, 1000, 1),       # one key: top left every row sees it; bottom right only the last row, 999 see nothing
+    (2, 3, 127, 129),      # seqlen_q < seqlen_k by 2: bottom right, the diagonal 2 keys right of top left's
+    (2, 3, 129, 127),      # seqlen_q > seqlen_k by 2: bottom right, the first 2 rows see no key
+    (1, 2, 1000, 1000),    # square: both corners one diagonal, through 8 tiles
+    (2, 2, 200, 1000),     # short q, long k: bottom right, each row sees 801 keys or more (top left, at most 200)
+    (2, 2, 1000, 129),     # long q, short k: bottom right, 871 rows (6 whole query tiles and more) see nothing
+    (1, 4, 4095, 4097),    # one query short of 32 tiles, one key into a 33rd
+    (1, 1, 127, 32760),    # a KV cache: a few new queries against 32K keys (bottom right: 255 K tiles for every row)
+    (1, 1, 32760, 1000),   # bottom right: 31760 rows, 248 whole query tiles, see no key
+    (1, 1, 32760, 32760),  # the longest, square (one corner: the other's diagonal is the same)
+]
+CAUSAL_CASES = [(shape, a) for shape in CAUSAL_SHAPES for a in ALIGNMENTS if not (shape[2] == shape[3] > 4096 and a == "bottom_right")]
+
+
+@pytest.mark.parametrize("shape, alignment", CAUSAL_CASES, ids=lambda x: x if isinstance(x, str) else "x".join(map(str, x)))
+def test_causal(mod, shape, alignment):
+    needs_causal(mod)
+    case = random_case(*shape, 1.0, alignment)
+    assert_passes(mod, check(mod, case), case.label)
+
+
+@pytest.mark.parametrize("alignment", ALIGNMENTS)
+@pytest.mark.parametrize("shape", [(2, 3, 127, 129), (2, 3, 129, 127), (2, 2, 200, 1000), (2, 2, 1000, 129)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_causal_x10(mod, shape, alignment):
+    """Peaked rows (inputs x10) under the mask: a row near the diagonal sees few keys, one of which dominates."""
+    needs_causal(mod)
+    case = random_case(*shape, 10.0, alignment)
+    assert_passes(mod, check(mod, case), case.label)
+
+
+# (batch, heads, heads_k, seqlen_q, seqlen_k): GQA 32/8 and 8/2, MQA (one key/value head), and heads_k = heads
+GROUPED_SHAPES = [(2, 32, 8, 300, 1000), (2, 32, 8, 1000, 129), (1, 32, 1, 300, 1000), (2, 8, 1, 1000, 129),
+                  (3, 8, 2, 129, 127), (1, 4, 4, 200, 333)]
+
+
+@pytest.mark.parametrize("causal", [False, *ALIGNMENTS], ids=str)
+@pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_grouped_key_value_heads(mod, shape, causal):
+    """Query head h reads key/value head h // (heads // heads_k): a step reading h % heads_k (or any other map) fails
+    here for 32/8, 8/2 (test_checks.py shows the verdict rejecting it)."""
+    needs_gqa(mod)
+    if causal:
+        needs_causal(mod)
+    batch, heads, heads_k, nq, nk = shape
+    case = random_case(batch, heads, nq, nk, 1.0, causal, heads_k)
+    assert_passes(mod, check(mod, case), case.label)
+
+
+# (batch, heads, heads_k, seqlen_q, seqlen_k), bottom right with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows
+# see no key
+KEYLESS_SHAPES = [
+    (2, 2, 2, 1000, 100),   # 900 rows: 7 whole query tiles with no visible key, and 4 rows of the eighth
+    (1, 3, 3, 129, 1),      # 128 rows: one whole query tile; the last row sees the one key
+    (1, 2, 2, 300, 44),     # 256 rows: two whole tiles, exactly
+    (2, 8, 2, 1000, 333),   # grouped heads too
+    (1, 1, 1, 32760, 127),  # 32633 rows: 254 whole tiles
+]
+
+
+@pytest.mark.parametrize("shape", KEYLESS_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rows_that_see_no_key_are_zero_and_minus_inf(mod, shape):
+    """Exactly: o = 0 and lse = -inf in every row that sees no key (whole work tiles of them included), written over
+    the NaN poison; the rows after them within the verdict's bounds; the functional API the same."""
+    needs_causal(mod)
+    batch, heads, heads_k, nq, nk = shape
+    if heads_k != heads:
+        needs_gqa(mod)
+    q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k)
+    case = prepare(q, k, v, causal="bottom_right", label=f"{'x'.join(map(str, shape))} bottom right")
+    o, lse = run_poisoned(mod, q, k, v, causal="bottom_right")
+    none = nq - nk
+    assert torch.equal(o[:, :, :none], torch.zeros_like(o[:, :, :none])), \
+        f"o != 0 in rows that see no key: {int((o[:, :, :none] != 0).any(-1).sum())} rows; {replay()}"
+    assert torch.isneginf(lse[:, :, :none]).all(), \
+        f"lse != -inf in rows that see no key: {int((~torch.isneginf(lse[:, :, :none])).sum())} rows; {replay()}"
+    assert torch.isfinite(lse[:, :, none:]).all() and torch.isfinite(o).all(), replay()
+    assert_passes(mod, errors_of(case, o, lse), case.label)
+    o2, lse2 = mod.attention(q, k, v, causal="bottom_right")
+    assert torch.equal(o2, o) and torch.equal(lse2, lse), replay()
+
+
+def test_causal_writes_nothing_past_seqlen_q(mod):
+    """A query tile with no visible key may be finished early (o = 0, lse = -inf without a K tile): still nothing past
+    seqlen_q. o and lse are views at the start of larger NaN-poisoned buffers."""
+    needs_causal(mod)
+    for nq, nk, alignment in ((200, 50, "bottom_right"), (200, 333, "top_left"), (5, 1, "bottom_right")):
+        extra = 256
+        q, k, v = make_inputs(1, 1, nq, nk)  # one head: the views below are then contiguous, as attention_out needs
+        o_big = torch.full((1, 1, nq + extra, 128), float("nan"), dtype=torch.bfloat16, device=q.device)
+        lse_big = torch.full((1, 1, nq + extra), float("nan"), dtype=torch.float32, device=q.device)
+        o, lse = o_big[:, :, :nq], lse_big[:, :, :nq]
+        mod.attention_out(q, k, v, o, lse, causal=alignment)
+        torch.cuda.synchronize()
+        assert not o.isnan().any() and not lse.isnan().any(), f"{nq}x{nk} {alignment}: rows before seqlen_q left unwritten"
+        assert o_big[:, :, nq:].isnan().all() and lse_big[:, :, nq:].isnan().all(), f"{nq}x{nk} {alignment}: written past seqlen_q"
+
+
+@pytest.mark.parametrize("alignment", ALIGNMENTS)
+@pytest.mark.parametrize("kind", [*CAUSAL_ADVERSARIAL, *ADVERSARIAL])
+def test_causal_adversarial_values(mod, kind, alignment):
+    """The adversarial cases under either corner's mask (1 x 2 x 2 tiles x 8 tiles): top left, the first rows see their
+    diagonal tile alone and no row sees the last 6 K tiles; bottom right, every row sees the first 6. The causal one
+    (masked_keys_above_by_100) puts the keys a row must not see ~100 nats above the ones it sees, in its diagonal tile."""
+    needs_causal(mod)
+    case = adversarial_case(kind, *tiles(mod), alignment)
+    assert_passes(mod, check(mod, case), f"{case.label}: {CAUSAL_ADVERSARIAL.get(kind) or ADVERSARIAL[kind]}")
+
+
+@pytest.mark.parametrize("causal", [False, *ALIGNMENTS], ids=str)
+def test_strided_views_with_grouped_heads(mod, causal):
+    """q, k, v as views of [batch, seqlen, heads, 128] tensors with fewer key/value heads; and as slices of one fused
+    [batch, seqlen, heads + 2 heads_k, 128] projection (a language model's fused QKV), where the head strides of q, k and
+    v are those of the fused tensor."""
+    needs_gqa(mod)
+    if causal:
+        needs_causal(mod)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in make_inputs(2, 8, 300, 1000, heads_k=2))
+    assert not q.is_contiguous() and k.stride(1) == 128
+    assert_passes(mod, measure_errors(mod, q, k, v, causal=causal), f"[b, n, h, d] views, 8/2 heads, causal {causal}")
+    q, k, v = make_inputs(2, 8, 1000, 1000, heads_k=2)
+    fused = torch.cat([t.transpose(1, 2) for t in (q, k, v)], dim=2)  # [2, 1000, 12, 128]
+    q, k, v = (fused[:, :, a:b].transpose(1, 2) for a, b in ((0, 8), (8, 10), (10, 12)))
+    assert k.stride() == (1000 * 12 * 128, 128, 12 * 128, 1) and k.data_ptr() % 16 == 0
+    assert_passes(mod, measure_errors(mod, q, k, v, causal=causal), f"fused QKV slices, 8/2 heads, causal {causal}")
+
+
+def test_causal_and_grouped_calls_are_deterministic_and_the_apis_agree(mod):
+    needs_causal(mod)
+    heads_k = 2 if mod.info["gqa"] else 8
+    q, k, v = make_inputs(2, 8, 1000, 333, heads_k=heads_k)
+    for alignment in ALIGNMENTS:
+        o1, lse1 = run_poisoned(mod, q, k, v, causal=alignment)
+        o2, lse2 = run_poisoned(mod, q, k, v, causal=alignment)
+        o3, lse3 = mod.attention(q, k, v, causal=alignment)
+        assert torch.equal(o1, o2) and torch.equal(lse1, lse2), f"{alignment}: two calls differ: a race? {replay()}"
+        assert torch.equal(o1, o3) and torch.equal(lse1, lse3), f"{alignment}: attention() and attention_out() differ; {replay()}"
+    assert not torch.equal(mod.attention(q, k, v, causal="top_left")[0], mod.attention(q, k, v, causal="bottom_right")[0])
+
+
+def test_causal_grouped_under_torch_compile_and_in_a_cuda_graph(mod):
+    needs_causal(mod)
+    heads_k = 2 if mod.info["gqa"] else 4
+    q, k, v = make_inputs(1, 4, 300, 1000, heads_k=heads_k)
+
+    def model(q, k, v):
+        o, lse = mod.attention(q * 1.0, k, v, causal="bottom_right")
+        return o.float().sum(-1), lse
+    eager = model(q, k, v)
+    compiled = torch.compile(model, fullgraph=True)(q, k, v)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1]), replay()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mod.attention(q, k, v, causal="top_left")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = mod.attention(q, k, v, causal="top_left")
+    q2, k2, v2 = make_inputs(1, 4, 300, 1000, heads_k=heads_k, seed=run_seed() + 1)
+    q.copy_(q2), k.copy_(k2), v.copy_(v2)
+    graph.replay()
+    torch.cuda.synchronize()
+    o_new, lse_new = mod.attention(q, k, v, causal="top_left")
     assert torch.equal(o, o_new) and torch.equal(lse, lse_new), f"the replayed graph did not recompute; {replay()}"
