@@ -1,8 +1,8 @@
 """nox sessions. `nox -s verify` is the main job (on a GPU machine); `nox -s tests` is CI's test command.
 
 `tests` installs requirements-verify.txt, the one list of what verify and its tests need, and
-requirements-capstone.txt, the capstone's optional one (diffusers, ...), into a fresh venv.
-`verify` and `capstone` make no venv: they run in the Python that has the CUDA torch (see cuda_torch_python).
+requirements-capstone.txt, the capstone's and the prefill's optional one (diffusers, transformers, ...), into a fresh venv.
+`verify`, `capstone` and `prefill` make no venv: they run in the Python that has the CUDA torch (see cuda_torch_python).
 `nox --no-venv -s <session>` runs in the current environment and installs nothing.
 """
 import glob
@@ -15,14 +15,14 @@ import nox
 
 nox.options.sessions = ["tests"]
 REQUIREMENTS = ("-r", "requirements-verify.txt")
-CAPSTONE_REQUIREMENTS = ("-r", "requirements-capstone.txt")  # optional: python -m verify.capstone and its CPU tests
+CAPSTONE_REQUIREMENTS = ("-r", "requirements-capstone.txt")  # optional: verify.capstone, verify.prefill and their CPU tests
 TORCH_CI = "torch==2.13.0"  # CI's pin: its machine has this (CPU) wheel on disk
 
 
 @nox.session
 def tests(session):
     """CPU-safe test suite: numerics model, every step compiled with nvcc, packaging, bad-input errors, the SDPA drop-in,
-    the capstone's parts on tiny models; GPU checks skip."""
+    the capstone's and the prefill's parts on tiny models; GPU checks skip."""
     if session.venv_backend != "none":
         session.install(TORCH_CI, *REQUIREMENTS, *CAPSTONE_REQUIREMENTS)
     session.run("python", "-m", "pytest", *session.posargs)
@@ -74,6 +74,13 @@ def capstone(session):
     """The final step inside a video diffusion model (python -m verify.capstone), in the Python with the CUDA torch; it
     needs requirements-capstone.txt there (and says so in one line where it is missing)."""
     run_in_cuda_torch_python(session, "verify.capstone")
+
+
+@nox.session(venv_backend="none")
+def prefill(session):
+    """The final step inside a Llama-3-8B prefill (python -m verify.prefill), in the Python with the CUDA torch; it needs
+    transformers there (requirements-capstone.txt; it says so in one line where it is missing)."""
+    run_in_cuda_torch_python(session, "verify.prefill")
 
 
 @nox.session

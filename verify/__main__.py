@@ -4,6 +4,7 @@
     python -m verify --steps 5-6 --seqlens 4096,16384
     python -m verify --no-bench            # build + checks only
     python -m verify --no-checks           # build + benchmark only
+    python -m verify --no-causal           # without the causal table (step15 on: causal and GQA at N = 4K/8K/16K)
     python -m verify --out DIR             # also write the log, the checks' junit XML and the results to DIR
     python -m verify --ptx-jit             # checks of steps 01-07 built as their PTX alone, compiled by the driver
 
@@ -173,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", type=steps_mod.seqlens_arg, help="comma-separated N (default: 1024,...,16384; batch = 16384/N)")
     ap.add_argument("--no-checks", action="store_true", help="skip the pytest checks (a hung kernel then hangs the benchmark)")
     ap.add_argument("--no-bench", action="store_true", help="skip the benchmark (without a GPU: build, and run the checks that need none)")
+    ap.add_argument("--no-causal", action="store_true",
+                    help="skip the benchmark's causal table (the last step that takes causal masks, SDPA cuDNN and FA3, "
+                         "causal and with Llama-3-8B's grouped heads, at N = 4K/8K/16K: 18 cells, about 40 s)")
     ap.add_argument("--check-timeout", type=float, default=300, metavar="SECONDS",
                     help="time limit for the checks of one step, then its process is killed (default: %(default)s)")
     ap.add_argument("--check-jobs", type=int, default=4, metavar="N",
@@ -294,8 +298,12 @@ def run(args) -> int:
 
     log(f"{stage['bench']} benchmarking {len(steps)} step(s) and torch SDPA at N = {', '.join(map(str, seqlens))}")
     meta = gpu_meta()
-    impls = {s: steps_mod.load(s).attention for s in runnable if s not in failed}  # a hung or wrong kernel is not timed
-    timing = bench.run(impls, seqlens, timing=bench.timing_from_args(args), log=log)
+    timed = {s: steps_mod.load(s) for s in runnable if s not in failed}  # a hung or wrong kernel is not timed
+    impls = {s: m.attention for s, m in timed.items()}
+    causal = None if args.no_causal else causal_step(timed)
+    if causal:
+        log(f"  causal table: {causal.name} at N = {', '.join(map(str, bench.causal_seqlens(seqlens))) or '(none of this run)'}")
+    timing = bench.run(impls, seqlens, timing=bench.timing_from_args(args), log=log, causal=causal)
     meta["clocks_after"] = smi().get("clocks", {})
 
     log(f"{stage['write']} writing results")
@@ -310,7 +318,7 @@ def run(args) -> int:
     json_path.write_text(json.dumps(run, indent=1, default=str))
     report.chart(run, png_path)
     full = (steps == steps_mod.all_steps() and seqlens == bench.SEQLENS_OF_RECORD and not args.no_checks and not failed
-            and not skipped)
+            and not skipped and not args.no_causal)
     if args.readme == "yes" or (args.readme == "auto" and full):
         shutil.copyfile(png_path, ROOT / "results" / "latest.png")
         if report.update_readme(ROOT / "README.md", report.markdown_table(run), "results/latest.png"):
@@ -324,6 +332,17 @@ def run(args) -> int:
     if failed:
         log(f"\nCHECKS FAILED for {', '.join(failed)} (not benchmarked); see the pytest output above")
     return code
+
+
+def causal_step(modules: dict):
+    """The causal table's step (bench.CausalStep): the last of `modules` ({step: module}) whose info["causal"] is
+    true, or None where none is."""
+    from verify import bench
+    takes = [(s, m) for s, m in modules.items() if m.info.get("causal")]
+    if not takes:
+        return None
+    step, mod = takes[-1]
+    return bench.CausalStep(step, mod.attention, bool(mod.info.get("gqa")))
 
 
 def results_folder(gpu_name: str) -> str:

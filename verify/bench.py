@@ -19,6 +19,12 @@ would hold fewer calls. The old benchmark's burst figure is kept beside it: the 
 power all along (NVML through torch.cuda, else nvidia-smi; read only: no setting of the card is
 changed; a board that reports no power gets the clock alone) and each cell records the clock range of its window.
 
+The causal table (the last step that takes causal masks, info["causal"]: step15 on) times causal attention
+(SDPA's is_causal=True: row i sees keys 0..i) the same way, at N = 4K, 8K, 16K (those of the run's seqlens): 16 heads
+(batch = 16K/N), and Llama-3-8B's grouped heads, 32 query heads over 8 key/value heads; beside SDPA forced to cuDNN
+(is_causal=True; enable_gqa=True for the grouped heads) and FlashAttention-3 (flash_attn_func(causal=True)). Its
+TFLOP/s count half the dense FLOPs (causal_flops): the diagonal's half of the score matrix is all there is to compute.
+
 `SteadyState` makes the warm-up / window decisions and `drive` does the queueing; neither touches
 the GPU, so tests/test_bench.py runs both on a simulated GPU and clock.
 """
@@ -34,6 +40,8 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
+from typing import Callable, NamedTuple
 
 HEADS = 16
 HEAD_DIM = 128
@@ -47,6 +55,13 @@ SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION
 PEERS = ["fa3"]  # kernels from elsewhere, timed where installed (never a dependency of a step)
 LABELS = {"sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA FLASH (FA2)", "sdpa_efficient": "SDPA EFFICIENT",
           "fa3": "FlashAttention-3", "cublas_gemm": f"cuBLAS GEMM {GEMM_N}^3"}
+# The causal table: causal attention at the headline N, with as many key/value heads as query heads ("causal") and
+# with Llama-3-8B's grouped ones ("gqa": 32 query heads over 8 key/value heads); batch = 16K/N in both.
+CAUSAL_SEQLENS = [4096, 8192, 16384]
+CAUSAL_TABLES = {"causal": (HEADS, HEADS), "gqa": (32, 8)}  # table: (query heads, key/value heads)
+CAUSAL_PEERS = ["sdpa_cudnn", "fa3"]  # timed beside the step in each table: f"{peer}_{table}"
+LABELS |= {"sdpa_cudnn_causal": "SDPA cuDNN causal", "fa3_causal": "FA3 causal",
+           "sdpa_cudnn_gqa": "SDPA cuDNN GQA", "fa3_gqa": "FA3 GQA"}
 
 
 def shape_of(seqlen: int) -> tuple[int, int, int]:
@@ -69,17 +84,59 @@ def fa3_attention():
     except ImportError as e:  # not installed, or its library does not load under this torch
         return None, f"not installed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
-    def attention(q, k, v, scale=None):
+    def attention(q, k, v, scale=None, causal=False):
+        """causal as the steps take it: False, "top_left" or "bottom_right"; k/v may have fewer heads (a divisor)."""
+        fa3_causal(causal, q.shape[2], k.shape[2])
         # FA3 takes [B, N, H, D] with a contiguous last dim: SDPA's [B, H, N, D] transposed, a view (no copy)
         o, lse = fa3_fwd_interface.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                   softmax_scale=scale, return_attn_probs=True)
+                                                   softmax_scale=scale, causal=bool(causal), return_attn_probs=True)
         return o.transpose(1, 2), lse
     return attention, None
+
+
+def fa3_causal(causal, seqlen_q: int, seqlen_k: int) -> None:
+    """Raises ValueError for a `causal` that FA3's flash_attn_func(causal=True) does not compute. Its diagonal starts
+    from the bottom right (row i sees keys 0..i + seqlen_k - seqlen_q): SDPA's top-left one only where the lengths agree."""
+    if causal not in (False, None, "top_left", "bottom_right"):
+        raise ValueError(f"FA3: causal={causal!r}: give False, 'top_left' or 'bottom_right'")
+    if causal == "top_left" and seqlen_q != seqlen_k:
+        raise ValueError(f"FA3: a top-left causal mask with seqlen_q {seqlen_q} != seqlen_k {seqlen_k}: FA3's causal "
+                         "mask is aligned to the bottom right")
 
 
 def flops(batch: int, heads: int, seqlen: int, head_dim: int = HEAD_DIM) -> int:
     """Two matmuls of 2*N*N*d FLOPs each, per (batch, head)."""
     return 4 * batch * heads * seqlen * seqlen * head_dim
+
+
+def causal_flops(batch: int, heads: int, seqlen: int, head_dim: int = HEAD_DIM) -> int:
+    """Causal attention's work, counted as FlashAttention counts it: half the dense FLOPs (the diagonal's half of the
+    score matrix; heads are the query heads, grouped key/value heads compute as many)."""
+    return flops(batch, heads, seqlen, head_dim) // 2
+
+
+def causal_shape_of(table: str, seqlen: int) -> tuple[int, int, int, int]:
+    """(batch, query heads, key/value heads, N) of a causal table's column: batch = 16K/N, as the dense table's."""
+    heads, heads_kv = CAUSAL_TABLES[table]
+    return max(1, TOTAL_TOKENS // seqlen), heads, heads_kv, seqlen
+
+
+def causal_seqlens(seqlens: list[int]) -> list[int]:
+    """The causal table's N in a run of `seqlens`: those of CAUSAL_SEQLENS it has."""
+    return [n for n in CAUSAL_SEQLENS if n in seqlens]
+
+
+def causal_names(step: str) -> dict[str, list[str]]:
+    """{table: its rows}: the step's, then SDPA cuDNN's and FA3's, e.g. step15_causal, sdpa_cudnn_causal, fa3_causal."""
+    return {table: [f"{impl}_{table}" for impl in (step, *CAUSAL_PEERS)] for table in CAUSAL_TABLES}
+
+
+class CausalStep(NamedTuple):
+    """The step of the causal table: its name, attention(q, k, v, scale=None, causal=...) and whether it takes
+    fewer key/value heads (info["gqa"])."""
+    name: str
+    attention: Callable
+    gqa: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,15 +491,34 @@ def log_line(label: str, cell: dict) -> str:
             f"warm-up ({ended}){idle}  {clock}")
 
 
-def sdpa_fn(backend_name: str, q, k, v):
+def sdpa_fn(backend_name: str, q, k, v, **kwargs):
+    """SDPA forced to one backend; kwargs (is_causal, enable_gqa) go to the call."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = getattr(SDPBackend, backend_name)
 
     def fn():
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
     return fn
+
+
+# torch's own lines around the reasons it gives for refusing a call: left out of the reason a cell records
+_SDPA_BOILERPLATE = ("kernel not used because", "has been runtime disabled", "was not compiled with")
+
+
+def refusal(fn) -> str | None:
+    """One call of fn: None where it runs, else why not, in one line: torch's reasons for refusing an SDPA call (the
+    warnings it gives before "No available kernel") and the error itself. Any other exception propagates."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fn()
+        except RuntimeError as e:
+            reasons = [str(w.message).split(" (Triggered internally")[0].strip().splitlines()[0] for w in caught
+                       if str(w.message).strip() and not any(b in str(w.message) for b in _SDPA_BOILERPLATE)]
+            return "; ".join(dict.fromkeys([*reasons, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__]))
+    return None
 
 
 def with_tflops(cell: dict, work: int) -> dict:
@@ -451,10 +527,38 @@ def with_tflops(cell: dict, work: int) -> dict:
     return cell
 
 
-def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=print, timing: Timing | None = None) -> dict:
+def causal_fns(table: str, q, k, v, step: CausalStep, fa3) -> tuple[dict, dict]:
+    """The causal table's rows at these inputs (q: [B, H, N, 128]; k, v: [B, H_kv, N, 128]): ({name: fn}, {name: why}
+    for a row that cannot take them). fa3: fa3_attention()'s function, or None."""
+    names = causal_names(step.name)[table]
+    grouped = q.shape[1] != k.shape[1]
+    fns, why = {}, {}
+    if grouped and not step.gqa:
+        why[names[0]] = f"{step.name} takes no grouped key/value heads (info['gqa'] is False)"
+    else:
+        fns[names[0]] = lambda: step.attention(q, k, v, causal="top_left")
+    fns[names[1]] = sdpa_fn(SDPA_BACKENDS["sdpa_cudnn"], q, k, v, is_causal=True, **({"enable_gqa": True} if grouped else {}))
+    if fa3:  # on [B, N, H, D] copies, FA3's own layout, made once outside the timing
+        qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+        fns[names[2]] = lambda: fa3(qt, kt, vt, causal="top_left")
+    return fns, why
+
+
+def causal_method(step: str, seqlens: list[int]) -> dict:
+    """What the results file says of the causal table: the step, the N, each table's heads, the mask, the FLOPs."""
+    return {"step": step, "seqlens": list(seqlens), "mask": "top_left (SDPA's is_causal=True: row i sees keys 0..i)",
+            "flops": "half the dense 4*B*H*N^2*d", "rows": causal_names(step),
+            "tables": {t: {"heads": h, "heads_kv": hk} for t, (h, hk) in CAUSAL_TABLES.items()}}
+
+
+def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=print, timing: Timing | None = None,
+        causal: CausalStep | None = None) -> dict:
     """impls: {name: attention(q, k, v)}. Returns {"timings": {name: {N: cell}}, "unavailable": {name: why},
     "not_timed": {name: {N: why}} (a step that does not take a shape, e.g. a seqlen that is not a multiple of its
     tile), "method": the timing settings}, with the SDPA backends, FA3 (where installed) and the cuBLAS GEMM added.
+    causal: the step of the causal table (module docstring), timed at causal_seqlens(seqlens) with SDPA cuDNN and FA3
+    beside it; then "causal" says what the table is (causal_method), and a cell that torch refuses (SDPA cuDNN
+    without grouped heads in some torch) is "not timed" with torch's reason, never run by another backend.
 
     budget_s, the old benchmark's seconds of timed calls, sets the window's length (verify/variants.py)."""
     import torch
@@ -463,12 +567,42 @@ def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=prin
         timing = dataclasses.replace(timing, window_s=budget_s)
     flush = L2Flush()
     fa3, why_not_fa3 = fa3_attention()
-    results: dict[str, dict] = {name: {} for name in [*impls, *SDPA_BACKENDS, *PEERS]}
-    errors: dict[str, str] = {} if fa3 else {"fa3": why_not_fa3}
+    c_seqlens = causal_seqlens(seqlens) if causal else []
+    c_names = causal_names(causal.name) if c_seqlens else {}
+    results: dict[str, dict] = {name: {} for name in [*impls, *SDPA_BACKENDS, *PEERS, *(n for ns in c_names.values() for n in ns)]}
+    errors: dict[str, str] = {} if fa3 else {"fa3": why_not_fa3, **{f"fa3_{t}": why_not_fa3 for t in c_names}}
     not_timed: dict[str, dict] = {}
     if not fa3:
         log(f"  fa3              {why_not_fa3}")
+    if causal and not c_seqlens:
+        log(f"  causal table: not timed (it runs at N = {', '.join(map(str, CAUSAL_SEQLENS))}; this run has none of them)")
     t_start = time.perf_counter()
+
+    def time_cells(fns: dict, n: int, shape: tuple, work: int, label: str) -> None:
+        for name, fn in fns.items():
+            if name in errors:
+                continue
+            try:
+                why = refusal(fn) if name.startswith("sdpa_") and name not in SDPA_BACKENDS else None
+                if why:  # torch refuses this call on the backend asked for: said, never run on another one
+                    not_timed.setdefault(name, {})[n] = why
+                    log(f"  N={n:<6} {name}: not timed: {why}")
+                    continue
+                cell = measure(fn, flush, sampler, timing)
+            except ValueError as e:  # the binding refuses this shape (e.g. N not a multiple of the step's tile)
+                not_timed.setdefault(name, {})[n] = str(e).splitlines()[0]
+                log(f"  N={n:<6} {name}: not timed: {not_timed[name][n]}")
+                continue
+            except RuntimeError as e:  # a backend torch cannot run here: say so, keep going
+                errors[name] = str(e).splitlines()[0]
+                log(f"  {name:<16} unavailable: {errors[name]}")
+                continue
+            cell["batch"], cell["heads"] = shape[0], shape[1]
+            if len(shape) > 2:
+                cell["heads_kv"] = shape[2]
+            results[name][n] = with_tflops(cell, work)
+            log(log_line(f"N={n:<6} {label} {name}", cell))
+
     with ClockSampler() as sampler:
         if sampler.source:
             timing = fit_to_clock(timing, sampler.interval_s)
@@ -485,22 +619,19 @@ def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=prin
             if fa3:  # on [B, N, H, D] copies, FA3's own layout, made once outside the timing
                 qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
                 fns["fa3"] = lambda: fa3(qt, kt, vt)
-            for name, fn in fns.items():
-                if name in errors:
-                    continue
-                try:
-                    cell = measure(fn, flush, sampler, timing)
-                except ValueError as e:  # the binding refuses this shape (e.g. N not a multiple of the step's tile)
-                    not_timed.setdefault(name, {})[n] = str(e).splitlines()[0]
-                    log(f"  N={n:<6} {name}: not timed: {not_timed[name][n]}")
-                    continue
-                except RuntimeError as e:  # a backend torch cannot run here: say so, keep going
-                    errors[name] = str(e).splitlines()[0]
-                    log(f"  {name:<16} unavailable: {errors[name]}")
-                    continue
-                cell["batch"], cell["heads"] = batch, heads
-                results[name][n] = with_tflops(cell, flops(batch, heads, n))
-                log(log_line(f"N={n:<6} batch={batch:<3} heads={heads:<3} {name}", cell))
+            time_cells(fns, n, (batch, heads), flops(batch, heads, n), f"batch={batch:<3} heads={heads:<3}")
+        for table in c_names:
+            for n in c_seqlens:
+                batch, heads, heads_kv, _ = causal_shape_of(table, n)
+                gen = torch.Generator(device="cuda").manual_seed(n + heads_kv)
+                q, k, v = (torch.randn(batch, h, n, HEAD_DIM, device="cuda", generator=gen).add_(0.5).to(torch.bfloat16)
+                           for h in (heads, heads_kv, heads_kv))
+                fns, cannot = causal_fns(table, q, k, v, causal, fa3)
+                for name, why in cannot.items():
+                    not_timed.setdefault(name, {})[n] = why
+                    log(f"  N={n:<6} {name}: not timed: {why}")
+                time_cells(fns, n, (batch, heads, heads_kv), causal_flops(batch, heads, n),
+                           f"batch={batch:<3} heads={heads}/{heads_kv:<3} causal")
         a, b = (torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gemm = with_tflops(measure(lambda: a @ b, flush, sampler, timing), 2 * GEMM_N**3)
         log(log_line(LABELS["cublas_gemm"], gemm))
@@ -509,5 +640,8 @@ def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=prin
     ended = collections.Counter(c["warmup_ended_by"] for c in cells)
     log(f"  benchmark: {time.perf_counter() - t_start:.0f} s, {len(cells)} measurements; warm-up ended by the clock settling "
         f"{ended['clock']}x, at the limit with the clock still falling {ended['cap']}x, without clock readings {ended['no clock']}x")
-    return {"timings": results, "unavailable": errors, "not_timed": not_timed,
-            "method": dataclasses.asdict(timing) | {"clock_source": sampler.source}}
+    out = {"timings": results, "unavailable": errors, "not_timed": not_timed,
+           "method": dataclasses.asdict(timing) | {"clock_source": sampler.source}}
+    if c_names:
+        out["causal"] = causal_method(causal.name, c_seqlens)
+    return out

@@ -151,12 +151,15 @@ def markdown_table(run: dict) -> str:
                      + (f" {_ratios(r['vs_fa3'], seqlens, list(seqlens))} |" if with_fa3 else ""))
     lines.append("")
     lines.append(timing_note(run) + not_timed_note(run))
-    return "\n".join(lines)
+    causal = causal_markdown_table(run)
+    return "\n".join(lines) + (f"\n\n{causal}" if causal else "")
 
 
 def not_timed_note(run: dict) -> str:
-    """Why a cell is '-': the steps that do not take a shape, as the run recorded them."""
-    missing = run.get("not_timed") or {}
+    """Why a cell is '-': the steps that do not take a shape, as the run recorded them (the dense table's rows; the
+    causal table says its own)."""
+    causal = set(causal_names(run))
+    missing = {impl: cells for impl, cells in (run.get("not_timed") or {}).items() if impl not in causal}
     if not missing:
         return ""
     by_n: dict = {}
@@ -185,7 +188,113 @@ def console_table(run: dict) -> str:
                     + f"   {_ratios(r['vs_prev'], seqlens):<{ratio_w}}   {_ratios(r['vs_cudnn'], seqlens):<{cudnn_w}}{fa3}").rstrip()
                    + flag)
     burst = burst_vs_sustained(run)
-    return "\n".join(out) + (f"\n\n{burst}" if burst else "")
+    causal = causal_console_table(run)
+    return "\n".join(out) + (f"\n\n{burst}" if burst else "") + (f"\n\n{causal}" if causal else "")
+
+
+# ---- the causal table (python -m verify with a step that takes causal masks: bench.run's `causal`) ----
+
+def causal_names(run: dict) -> list[str]:
+    """Every row name of the run's causal table (none where it has none)."""
+    return [name for names in ((run.get("causal") or {}).get("rows") or {}).values() for name in names]
+
+
+def causal_rows(run: dict) -> list[dict]:
+    """One row per implementation and table (causal with equal heads, then GQA): TFLOP/s per N, and the ratios to SDPA
+    cuDNN and to FA3 in the same table. A row with no figure and no reason recorded (FA3 not installed) is left out."""
+    c = run.get("causal")
+    if not c:
+        return []
+    seqlens, not_timed = c["seqlens"], run.get("not_timed") or {}
+    out = []
+    for table, names in c["rows"].items():
+        cudnn, fa3 = names[1], names[2]
+        heads, heads_kv = c["tables"][table]["heads"], c["tables"][table]["heads_kv"]
+        shape = f"{heads} heads" if heads == heads_kv else f"{heads}/{heads_kv} heads"
+        for impl in names:
+            if not run["timings"].get(impl) and impl not in not_timed:
+                continue
+            tf = {n: _tf(run, impl, n) for n in seqlens}
+            step = impl == names[0]
+            name = f"{c['step']} {'causal' if table == 'causal' else 'GQA'}" if step else LABELS.get(impl, impl)
+            out.append({
+                "impl": impl, "table": table, "label": f"{name}, {shape}", "tflops": tf, "step": step,
+                "cells": {n: _cell(run, impl, n) for n in seqlens},
+                "vs_cudnn": {n: _ratio(tf[n], _tf(run, cudnn, n)) for n in seqlens} if impl != cudnn else {},
+                "vs_fa3": {n: _ratio(tf[n], _tf(run, fa3, n)) for n in seqlens} if impl != fa3 else {},
+                "checks": run.get("checks", {}).get(c["step"], "") if step else "",
+            })
+    return out
+
+
+def causal_note(run: dict) -> str:
+    """What the causal table times and how its FLOPs are counted, and why a cell is '-', from the results file."""
+    c = run["causal"]
+    tables = c["tables"]
+    eq, gqa = tables.get("causal"), tables.get("gqa")
+    parts = [f"Causal attention (SDPA's is_causal=True: row i sees keys 0..i), TFLOP/s counting half the dense FLOPs "
+             f"(2·B·H·N²·d, the diagonal's half), timed as the table above: batch = {TOTAL_TOKENS // 1024}K/N, d = {HEAD_DIM}, "
+             f"bf16"]
+    if eq:
+        parts.append(f"{eq['heads']} heads")
+    if gqa:
+        parts.append(f"GQA: Llama-3-8B's {gqa['heads']} query heads over {gqa['heads_kv']} key/value heads "
+                     "(SDPA with enable_gqa=True)")
+    note = "; ".join(parts) + (". × cuDNN: over SDPA cuDNN (is_causal=True) in the same shape; × FA3: over "
+                              "FlashAttention-3's flash_attn_func(causal=True) in the same shape.")
+    missing: dict = {}
+    for impl in causal_names(run):
+        for n, why in ((run.get("not_timed") or {}).get(impl) or {}).items():
+            missing.setdefault((impl, why), []).append(int(n))
+    if missing:
+        note += " Not timed (-): " + "; ".join(f"{impl} at N={'/'.join(_label(n) for n in sorted(ns))}: {why.rstrip('.')}"
+                                             for (impl, why), ns in missing.items()) + "."
+    return note
+
+
+def causal_markdown_table(run: dict) -> str:
+    """The causal table under the dense one in the README: TFLOP/s, × SDPA cuDNN causal and × FA3 at every N."""
+    rs = causal_rows(run)
+    if not rs:
+        return ""
+    seqlens = run["causal"]["seqlens"]
+    every = "/".join(_label(n) for n in seqlens)
+    with_fa3 = any(r["impl"].startswith("fa3_") and any(r["tflops"].values()) for r in rs)
+    lines = [f"| causal | {' | '.join(f'N={_label(n)}' for n in seqlens)} | × cuDNN causal ({every}) |"
+             + (f" × FA3 ({every}) |" if with_fa3 else ""),
+             "|---|" + "---:|" * len(seqlens) + "---:|" + ("---:|" if with_fa3 else "")]
+    for r in rs:
+        name = r["label"]
+        if r["checks"] and r["checks"] != "passed":
+            name += f" (checks {r['checks']})"
+        cells = [_fmt(r["tflops"][n], ".0f") for n in seqlens]
+        lines.append(f"| {name} | {' | '.join(cells)} | {_ratios(r['vs_cudnn'], seqlens, seqlens)} |"
+                     + (f" {_ratios(r['vs_fa3'], seqlens, seqlens)} |" if with_fa3 else ""))
+    lines.append("")
+    lines.append(causal_note(run))
+    return "\n".join(lines)
+
+
+def causal_console_table(run: dict) -> str:
+    rs = causal_rows(run)
+    if not rs:
+        return ""
+    seqlens = run["causal"]["seqlens"]
+    every = "/".join(_label(n) for n in seqlens)
+    width = max(len(r["label"]) for r in rs) + 2
+    with_fa3 = any(r["impl"].startswith("fa3_") and any(r["tflops"].values()) for r in rs)
+    cudnn_w = max(len(f"×cuDNN({every})"), *(len(_ratios(r["vs_cudnn"], seqlens, seqlens)) for r in rs))
+    head = (f"{'causal':<{width}}" + "".join(f"{f'N={_label(n)}':>9}" for n in seqlens)
+            + f"   {f'×cuDNN({every})':<{cudnn_w}}" + (f"   ×FA3({every})" if with_fa3 else ""))
+    out = [head.rstrip(), "-" * len(head.rstrip())]
+    for r in rs:
+        flag = "" if not r["checks"] or r["checks"] == "passed" else f"  [checks {r['checks']}]"
+        fa3 = f"   {_ratios(r['vs_fa3'], seqlens, seqlens)}" if with_fa3 and r["vs_fa3"] else ""
+        out.append((f"{r['label']:<{width}}" + "".join(f"{_fmt(r['tflops'][n], '.1f'):>9}" for n in seqlens)
+                    + f"   {_ratios(r['vs_cudnn'], seqlens, seqlens):<{cudnn_w}}{fa3}").rstrip() + flag)
+    missing = [f"{impl} N={n}: {why}" for impl in causal_names(run)
+               for n, why in ((run.get("not_timed") or {}).get(impl) or {}).items()]
+    return "\n".join(out + ([f"not timed: {m}" for m in missing]))
 
 
 def burst_vs_sustained(run: dict) -> str:

@@ -219,7 +219,8 @@ def test_measure_on_the_gpu():
 def test_run_on_the_gpu():
     lines = []
     out = bench.run({}, [1024], log=lines.append, timing=SHORT)
-    assert set(out["timings"]) == {*bench.SDPA_BACKENDS, "cublas_gemm"}
+    peers = {"fa3"} if bench.fa3_attention()[0] is not None else set()  # timed where installed
+    assert set(out["timings"]) == {*bench.SDPA_BACKENDS, "cublas_gemm", *peers}
     for name in bench.SDPA_BACKENDS:
         assert out["timings"][name].get(1024) or name in out["unavailable"], name
     gemm = out["timings"]["cublas_gemm"][str(bench.GEMM_N)]
@@ -243,3 +244,120 @@ def test_nvml_without_board_power_still_reads_the_clock(monkeypatch):
     monkeypatch.setattr(torch.cuda, "power_draw", lambda device=None: 350_000)  # mW
     source, read = bench.ClockSampler._find_source()
     assert source == "nvml" and read() == (2520.0, 350.0)
+
+
+# ---- the causal table's pieces (CPU) ----
+
+@pytest.mark.parametrize("table", bench.CAUSAL_TABLES)
+@pytest.mark.parametrize("n", bench.CAUSAL_SEQLENS)
+def test_the_causal_shapes_hold_16k_tokens_with_their_heads(table, n):
+    batch, heads, heads_kv, seqlen = bench.causal_shape_of(table, n)
+    assert batch * seqlen == bench.TOTAL_TOKENS and seqlen == n
+    assert (heads, heads_kv) == {"causal": (bench.HEADS, bench.HEADS), "gqa": (32, 8)}[table]  # gqa: Llama-3-8B's
+
+
+def test_causal_flops_are_half_the_dense_ones():
+    assert bench.causal_flops(4, 16, 4096) == 2 * 4 * 16 * 4096**2 * 128 == bench.flops(4, 16, 4096) // 2
+    for table in bench.CAUSAL_TABLES:  # grouped heads compute as many FLOPs: the query heads count
+        batch, heads, _, n = bench.causal_shape_of(table, 8192)
+        assert bench.causal_flops(batch, heads, n) == 2 * batch * heads * n * n * bench.HEAD_DIM
+
+
+def test_the_causal_rows_and_their_seqlens():
+    assert bench.causal_names("step15") == {"causal": ["step15_causal", "sdpa_cudnn_causal", "fa3_causal"],
+                                            "gqa": ["step15_gqa", "sdpa_cudnn_gqa", "fa3_gqa"]}
+    assert all(name in bench.LABELS for names in bench.causal_names("x").values() for name in names[1:])
+    assert bench.causal_seqlens(bench.SEQLENS_OF_RECORD) == bench.CAUSAL_SEQLENS == [4096, 8192, 16384]
+    assert bench.causal_seqlens([16384, 1024]) == [16384] and bench.causal_seqlens([1024, 2048]) == []
+    method = bench.causal_method("step15", [4096])
+    assert method["step"] == "step15" and method["seqlens"] == [4096] and method["rows"] == bench.causal_names("step15")
+    assert method["tables"] == {"causal": {"heads": 16, "heads_kv": 16}, "gqa": {"heads": 32, "heads_kv": 8}}
+
+
+def test_fa3_takes_the_causal_masks_it_computes():
+    for causal, nq, nk in ((False, 64, 128), ("top_left", 128, 128), ("bottom_right", 64, 128)):
+        bench.fa3_causal(causal, nq, nk)
+    with pytest.raises(ValueError, match="aligned to the bottom right"):
+        bench.fa3_causal("top_left", 64, 128)
+    with pytest.raises(ValueError, match="give False"):
+        bench.fa3_causal(True, 128, 128)
+
+
+def test_a_refused_sdpa_call_is_said_with_torch_s_reasons():
+    import warnings
+
+    def refused():  # what torch says when no backend allowed takes a call (sdp_utils.cpp's TORCH_WARNs, then the error)
+        warnings.warn("Memory efficient kernel not used because: (Triggered internally at sdp_utils.cpp:1)")
+        warnings.warn("Flash attention has been runtime disabled. (Triggered internally at sdp_utils.cpp:2)")
+        warnings.warn("CuDNN attention kernel not used because: (Triggered internally at sdp_utils.cpp:3)")
+        warnings.warn("cuDNN does not support grouped-query attention (Triggered internally at sdp_utils.cpp:4)")
+        raise RuntimeError("No available kernel. Aborting execution.")
+    assert bench.refusal(refused) == "cuDNN does not support grouped-query attention; No available kernel. Aborting execution."
+    assert bench.refusal(lambda: None) is None
+    with pytest.raises(ValueError):
+        bench.refusal(lambda: bench.fa3_causal(True, 1, 1))
+
+
+def test_the_causal_rows_call_what_the_table_says():
+    torch = pytest.importorskip("torch")
+    got = []
+    step = bench.CausalStep("step15", lambda q, k, v, causal=False: got.append(("step", k.shape[1], causal)), True)
+
+    def fa3(q, k, v, scale=None, causal=False):
+        got.append(("fa3", k.shape[1], causal, q.transpose(1, 2).is_contiguous()))
+    q = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    fns, why = bench.causal_fns("gqa", q, k, v, step, fa3)
+    assert list(fns) == bench.causal_names("step15")["gqa"] and not why
+    fns["step15_gqa"]()
+    fns["fa3_gqa"]()
+    assert got == [("step", 2, "top_left"), ("fa3", 2, "top_left", True)]  # FA3 on [B, N, H, D] copies
+    # SDPA forced to cuDNN: on a CPU tensor torch refuses, and the cell would say why, never run another backend
+    assert "No viable backend" in bench.refusal(fns["sdpa_cudnn_gqa"])
+    no_gqa = step._replace(gqa=False)
+    fns, why = bench.causal_fns("gqa", q, k, v, no_gqa, None)
+    assert list(fns) == ["sdpa_cudnn_gqa"] and why == {"step15_gqa": "step15 takes no grouped key/value heads (info['gqa'] is False)"}
+    fns, why = bench.causal_fns("causal", q, q, q, no_gqa, None)  # equal heads: a step without GQA takes it
+    assert list(fns) == ["step15_causal", "sdpa_cudnn_causal"] and not why
+
+
+def test_the_causal_table_s_step_is_the_last_that_takes_causal_masks():
+    import types
+
+    from verify import __main__ as verify_main
+    mod = lambda causal, gqa=False: types.SimpleNamespace(info={"causal": causal, "gqa": gqa}, attention=object())
+    modules = {"step13": mod(False), "step14": mod(True, False), "step15": mod(True, True), "step16": mod(False)}
+    chosen = verify_main.causal_step(modules)
+    assert chosen == bench.CausalStep("step15", modules["step15"].attention, True)
+    assert verify_main.causal_step({"step14": mod(True)}).gqa is False
+    assert verify_main.causal_step({"step01": mod(False)}) is None and verify_main.causal_step({}) is None
+
+
+def test_the_causal_table_can_be_skipped_on_the_command_line():
+    import subprocess
+    import sys
+
+    from verify.steps import ROOT
+    out = subprocess.run([sys.executable, "-m", "verify", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "--no-causal" in out.stdout, out.stderr
+
+
+@needs_gpu
+def test_run_times_the_causal_table_on_the_gpu():
+    """A stand-in causal step (SDPA FLASH): the table's rows at one N, each refused cell said, never another backend."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attention(q, k, v, scale=None, causal=False):
+        assert causal == "top_left"
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), None
+    out = bench.run({}, [1024, 4096], timing=SHORT, log=lambda *_: None, causal=bench.CausalStep("fake", attention, True))
+    assert out["causal"]["seqlens"] == [4096] and out["causal"]["step"] == "fake"
+    for table, names in bench.causal_names("fake").items():
+        batch, heads, heads_kv, n = bench.causal_shape_of(table, 4096)
+        cell = out["timings"][names[0]][4096]
+        assert (cell["batch"], cell["heads"], cell["heads_kv"]) == (batch, heads, heads_kv)
+        assert cell["tflops"] == pytest.approx(bench.causal_flops(batch, heads, n) / (cell["median_ms"] * 1e-3) / 1e12)
+        for name in names[1:]:
+            assert out["timings"][name].get(4096) or 4096 in out["not_timed"].get(name, {}) or name in out["unavailable"], name

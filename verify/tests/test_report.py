@@ -161,3 +161,106 @@ def test_fa3_absent_is_said_not_raised():
         pass
     fn, why = bench.fa3_attention()
     assert fn is None and why.startswith("not installed")
+
+
+# ---- the causal table (a step with info["causal"]: bench.run's causal rows) ----
+
+REFUSED = "cuDNN does not support grouped-query attention; No available kernel. Aborting execution."  # synthetic
+
+
+def with_causal(run, step="step15", fa3=True, refused=()):
+    """The run with a causal table: its rows at the causal N of the run (every figure synthetic, from the simulated
+    timer), `refused` cells (impl, N) not timed with REFUSED as torch's reason."""
+    seqlens = bench.causal_seqlens(run["seqlens"])
+    names = bench.causal_names(step)
+    run.setdefault("not_timed", {})
+    for table, impls in names.items():
+        for i, impl in enumerate(impls):
+            if impl.startswith("fa3_") and not fa3:
+                run["unavailable"][impl] = "not installed (test)"
+                continue
+            run["timings"][impl] = {}
+            for n in seqlens:
+                if (impl, n) in refused:
+                    run["not_timed"].setdefault(impl, {})[str(n)] = REFUSED
+                    continue
+                batch, heads, heads_kv, _ = bench.causal_shape_of(table, n)
+                _, _, cell = timed(quick_fall, timing=QUICK, call_s=FAST_S / (2 + i) * n / seqlens[0])
+                run["timings"][impl][str(n)] = bench.with_tflops(cell | {"batch": batch, "heads": heads, "heads_kv": heads_kv},
+                                                                 bench.causal_flops(batch, heads, n))
+    run["causal"] = bench.causal_method(step, seqlens)
+    run["checks"][step] = "passed"
+    return run
+
+
+def as_loaded(run, tmp_path):
+    """The run as --report reads it back from its results file (JSON: N keys as strings)."""
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    return report.load(path)
+
+
+def test_the_causal_table_follows_the_dense_one(tmp_path):
+    plain = synthetic_run(bench.SEQLENS_OF_RECORD, peers=("fa3",))
+    dense = report.markdown_table(plain)
+    run = as_loaded(with_causal(synthetic_run(bench.SEQLENS_OF_RECORD, peers=("fa3",))), tmp_path)
+    markdown = report.markdown_table(run)
+    assert markdown.startswith(dense.split("\n\n")[0].rsplit("\n", 1)[0])  # the dense rows as they were
+    causal = markdown.split("\n\n")[-2:]
+    lines = causal[0].splitlines()
+    assert lines[0] == "| causal | N=4K | N=8K | N=16K | × cuDNN causal (4K/8K/16K) | × FA3 (4K/8K/16K) |"
+    assert [ln.split(" | ")[0] for ln in lines[2:]] == [
+        "| step15 causal, 16 heads", "| SDPA cuDNN causal, 16 heads", "| FA3 causal, 16 heads",
+        "| step15 GQA, 32/8 heads", "| SDPA cuDNN GQA, 32/8 heads", "| FA3 GQA, 32/8 heads"]
+    gqa = next(ln for ln in lines if ln.startswith("| step15 GQA"))
+    tf = lambda impl, n: report._tf(run, impl, n)
+    vs_cudnn = " / ".join(f"{tf('step15_gqa', n) / tf('sdpa_cudnn_gqa', n):.2f}" for n in bench.CAUSAL_SEQLENS)
+    vs_fa3 = " / ".join(f"{tf('step15_gqa', n) / tf('fa3_gqa', n):.2f}" for n in bench.CAUSAL_SEQLENS)
+    assert gqa.endswith(f"| {vs_cudnn} | {vs_fa3} |"), gqa
+    assert " | ".join(f"{tf('step15_gqa', n):.0f}" for n in bench.CAUSAL_SEQLENS) in gqa
+    cudnn = next(ln for ln in lines if ln.startswith("| SDPA cuDNN causal"))
+    fa3 = next(ln for ln in lines if ln.startswith("| FA3 causal"))
+    assert cudnn.split(" | ")[4] == "" and fa3.endswith("|  |")  # neither shown over itself
+    note = causal[1]
+    assert "half the dense FLOPs" in note and "Llama-3-8B's 32 query heads over 8 key/value heads" in note
+    assert "16 heads" in note and "Not timed" not in note
+    console = report.console_table(run).split("\n\n")[-1].splitlines()
+    assert console[0].startswith("causal") and "×cuDNN(4K/8K/16K)" in console[0] and "×FA3(4K/8K/16K)" in console[0]
+    assert len(console) == 2 + 6 and console[2].startswith("step15 causal, 16 heads")
+
+
+def test_the_causal_cells_count_half_the_dense_flops(tmp_path):
+    run = as_loaded(with_causal(synthetic_run([4096])), tmp_path)
+    cell = report._cell(run, "step15_gqa", 4096)
+    batch, heads, _, n = bench.causal_shape_of("gqa", 4096)
+    assert cell["tflops"] == pytest.approx(2 * batch * heads * n * n * bench.HEAD_DIM / (cell["median_ms"] * 1e-3) / 1e12)
+    assert report.causal_markdown_table(run).splitlines()[0].startswith("| causal | N=4K | × cuDNN causal (4K) |")
+
+
+def test_a_refused_cell_says_why_in_the_causal_table_alone(tmp_path):
+    refused = {("sdpa_cudnn_gqa", n) for n in bench.CAUSAL_SEQLENS}
+    run = with_causal(synthetic_run(bench.SEQLENS_OF_RECORD), refused=refused)
+    run["not_timed"]["step01"] = {str(bench.VIDEO_SEQLEN): "seqlen not a multiple of 128"}
+    run = as_loaded(run, tmp_path)
+    markdown = report.markdown_table(run)
+    dense_note, causal_note = report.not_timed_note(run), report.causal_note(run)
+    assert "step01 at N=video" in dense_note and "sdpa_cudnn_gqa" not in dense_note
+    assert f"Not timed (-): sdpa_cudnn_gqa at N=4K/8K/16K: {REFUSED}" in causal_note and not causal_note.endswith("..")
+    row = next(ln for ln in markdown.splitlines() if ln.startswith("| SDPA cuDNN GQA"))
+    assert row == "| SDPA cuDNN GQA, 32/8 heads | - | - | - |  | - / - / - |"
+    step = next(ln for ln in markdown.splitlines() if ln.startswith("| step15 GQA"))
+    assert "| - / - / - | " in step and not step.endswith("| - / - / - |"), step  # × cuDNN: none; × FA3: there
+    assert f"not timed: sdpa_cudnn_gqa N=4096: {REFUSED}" in report.console_table(run)
+
+
+def test_without_fa3_the_causal_table_has_no_fa3_column_or_rows(tmp_path):
+    run = as_loaded(with_causal(synthetic_run(bench.SEQLENS_OF_RECORD), fa3=False), tmp_path)
+    table = report.causal_markdown_table(run)
+    assert "FA3" not in table.splitlines()[0] and not any(ln.startswith("| FA3") for ln in table.splitlines())
+    assert "×FA3" not in report.causal_console_table(run)
+
+
+def test_a_run_without_a_causal_table_renders_as_before():
+    run = synthetic_run(bench.SEQLENS_OF_RECORD)
+    assert report.causal_rows(run) == [] and report.causal_markdown_table(run) == "" and report.causal_names(run) == []
+    assert "| causal |" not in report.markdown_table(run) and "causal" not in report.console_table(run)
