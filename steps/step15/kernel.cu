@@ -39,7 +39,7 @@
 //   cost nothing. Non-causal: 671.2 / 683.2 / 680.0, step14's speed (1.00 / 1.01 / 1.00x). FA3 leads causal by what
 //   it leads dense by (step14 is 0.99 / 0.98 / 0.97x FA3 dense in the same run): the gap is the dense kernel's.
 // ON THE WAY (results/h200/2026-12-01-step15-scheduler/ab15.log, interleaved windows, not the sustained method;
-//   source at git show ec0ffee:notes/variants/step15-dynamic/kernel.cu): FlashAttention-3's causal scheduler, the
+//   source at git show f33d664:notes/variants/step15-dynamic/kernel.cu): FlashAttention-3's causal scheduler, the
 //   longest tile left handed out at run time (an atomic count in global memory) over sections of heads that fit in
 //   L2, instead of the pairs: 547 / 596 / 623 against the pairs' 563 / 601 / 623 TFLOP/s causal. Not kept.
 #include "flashladder.cuh"
