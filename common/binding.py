@@ -323,6 +323,15 @@ def check_launch(step: str, tensors: dict, archs: list, smem_bytes: Optional[int
                              "(a view at an odd offset?); call .contiguous() first")
 
 
+def output_like(q: torch.Tensor) -> torch.Tensor:
+    """O for attention(), dense, its dimensions in memory in the order of q's (torch.empty_like): where q is a
+    [batch, seqlen, heads, 128] tensor transposed, or a slice of a fused QKV one, as models pass it, O is [batch, seqlen,
+    heads, 128] in memory too, and the model's transpose back to [batch, seqlen, heads * 128] is a view, not a copy; a
+    contiguous q (or a broadcast one) gives a contiguous O. The kernels take O's strides: a permutation of contiguous
+    ones, the last dim innermost (q's is, check_inputs), so they meet the rules q's met."""
+    return torch.empty_like(q, memory_format=torch.preserve_format)
+
+
 def make_params(q, k, v, o, lse, scale: float, causal: int = 0) -> FwdParams:
     """FwdParams for one launch; strides as the checks saw them (kernel_strides); causal as check_causal gives it."""
     def strides(t):
@@ -657,7 +666,7 @@ def bind_step(module_name: str):
     @torch.library.custom_op(f"flashladder::{step}", mutates_args=())
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         checked(q, k, v, None, None, scale, causal)
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        o = output_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         launch(q, k, v, o, lse, scale, causal)
         return o, lse
@@ -665,7 +674,7 @@ def bind_step(module_name: str):
     @fwd.register_fake
     def _(q, k, v, scale, causal=0):
         checked(q, k, v, None, None, scale, causal, devices=("cuda", "meta"))
-        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.custom_op(f"flashladder::{step}_out", mutates_args=("o", "lse"))
     def fwd_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float,
@@ -686,7 +695,8 @@ def bind_step(module_name: str):
         causal (info["causal"]): False, or the diagonal's corner: "top_left" (SDPA's is_causal=True: row i sees keys
         0..i) or "bottom_right" (torch's causal_lower_right: row i sees keys 0..i + seqlen_k - seqlen_q). A row that
         sees no key gets o = 0 and lse = -inf.
-        Returns (o: bf16 [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]).
+        Returns (o: bf16 [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]); o laid out in memory
+        as q is (a [batch, seqlen, heads, 128] tensor transposed gives o the same; output_like).
         scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
         Empty inputs (batch, heads or seqlen_q of 0) give empty outputs without a launch; with seqlen_k = 0
         every row has no key: o = 0 and lse = -inf (what softmax over nothing tends to; no launch either).

@@ -418,3 +418,23 @@ def test_op_called_directly_checks_the_tensors(mod):
     n = seqlen(mod)
     with pytest.raises(ValueError, match="too large"):
         op(meta((65536, 1, n, 128)), meta((65536, 1, n, 128)), meta((65536, 1, n, 128)), 0.1)
+
+
+@pytest.mark.parametrize("layout", ["bnhd", "fused_qkv", "contiguous"])
+def test_attention_returns_o_laid_out_as_q(mod, layout):
+    """attention() allocates O in q's memory order (binding.output_like): from a [b, n, h, d] tensor transposed, or a slice
+    of a fused [b, n, 3, h, d] one, O is [b, n, h, d] in memory, so a model's transpose back is a view; from a contiguous
+    q, contiguous. Meta tensors: the op's fake, which torch.compile sees, allocates it the same way as the op."""
+    n = seqlen(mod)
+    if layout == "bnhd":
+        q = torch.empty(2, n, 4, 128, dtype=BF16, device="meta").transpose(1, 2)
+    elif layout == "fused_qkv":
+        q = torch.empty(2, n, 3, 4, 128, dtype=BF16, device="meta")[:, :, 0].transpose(1, 2)
+    else:
+        q = meta((2, 4, n, 128))
+    k = v = meta((2, 4, n, 128))
+    o, lse = mod.attention(q, k, v)
+    assert o.shape == q.shape and lse.is_contiguous()
+    want = (4 * n * 128, 128, 4 * 128, 1) if layout != "contiguous" else (4 * n * 128, n * 128, 128, 1)
+    assert o.stride() == want, (layout, o.stride())
+    assert o.transpose(1, 2).is_contiguous() == (layout != "contiguous")

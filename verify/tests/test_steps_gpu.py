@@ -139,6 +139,16 @@ def test_strided_inputs(mod):
     assert_passes(mod, measure_errors(mod, q, k, v), "[b, n, h, d] views")
 
 
+def test_o_comes_back_in_the_layout_q_came_in(mod):
+    """q as a view of a [batch, seqlen, heads, 128] tensor: attention() returns O laid out the same way (the kernels
+    write through O's strides), equal to attention_out's contiguous O, element for element."""
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in make_inputs(*in_elements(mod, 2, 4, 2, 4)))
+    o, lse = mod.attention(q, k, v)
+    assert o.stride() == q.stride() and o.transpose(1, 2).is_contiguous(), (o.stride(), q.stride())
+    o2, lse2 = run_poisoned(mod, q, k, v)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2), f"a strided O differs from a contiguous one; {replay()}"
+
+
 def test_k_and_v_with_different_strides(mod):
     """k contiguous, v a view of a [batch, seqlen, heads, 128] tensor: a k/v stride mix-up would show."""
     q, k, v = make_inputs(*in_elements(mod, 2, 4, 2, 4))
