@@ -817,6 +817,9 @@ def make_parser():
     ap.add_argument("--baseline-steps", type=int, default=5, help="steps of the SDPA-default run that gives the per-step baseline")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--fps", type=int, default=16)
+    ap.add_argument("--cp", choices=["ulysses", "ring"], help="the step inside diffusers' context parallelism over --gpus GPUs, "
+                    "launched with torchrun (verify/cp.py; its own options: --cp ring --help)")
+    ap.add_argument("--gpus", type=int, help="with --cp: the GPUs, one torchrun process each")
     return ap
 
 
@@ -893,8 +896,14 @@ def run_sample(args, log) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--cp" or a.startswith("--cp=") for a in argv):  # context parallelism: its own command line
+        from verify import cp
+        return cp.main(argv)
     ap = make_parser()
     args = ap.parse_args(argv)
+    if args.gpus is not None:
+        ap.error("--gpus goes with --cp ulysses|ring (context parallelism, under torchrun)")
     log = lambda m="": print(m, flush=True)
     if args.report:
         if not args.report.is_file():
