@@ -41,7 +41,8 @@ ABI_VERSION = 4      # must match FLASHLADDER_ABI_VERSION in common/flashladder.
 FEATURE_CAUSAL, FEATURE_GQA = 1, 2  # bits of flashladder_features() (common/flashladder.cuh)
 # The `causal` argument: False (every key), or which corner the diagonal starts from when seqlen_q != seqlen_k:
 # "top_left" (SDPA's is_causal=True: row i sees keys 0..i) or "bottom_right" (torch's causal_lower_right, a KV cache's:
-# the last row sees every key). The kernel gets the second number: row i sees key j iff j <= i + offset.
+# the last row sees every key). The op takes the code below; the kernel gets an offset instead (make_params: 0, or
+# seqlen_k - seqlen_q): row i sees key j iff j <= i + offset.
 CAUSAL = {"top_left": 1, "bottom_right": 2}
 MAX_GRID_YZ = 65535  # heads and batch are the grid's y and z dimensions
 MAX_ROW_STRIDE = 2**24  # in-tile offsets (row < 128) * row stride stay below 2^31
@@ -327,7 +328,7 @@ def output_like(q: torch.Tensor) -> torch.Tensor:
     """O for attention(), dense, its dimensions in memory in the order of q's (torch.empty_like): where q is a
     [batch, seqlen, heads, 128] tensor transposed, or a slice of a fused QKV one, as models pass it, O is [batch, seqlen,
     heads, 128] in memory too, and the model's transpose back to [batch, seqlen, heads * 128] is a view, not a copy; a
-    contiguous q (or a broadcast one) gives a contiguous O. The kernels take O's strides: a permutation of contiguous
+    contiguous q gives a contiguous O. The kernels take O's strides: a permutation of contiguous
     ones, the last dim innermost (q's is, check_inputs), so they meet the rules q's met."""
     return torch.empty_like(q, memory_format=torch.preserve_format)
 

@@ -196,8 +196,10 @@ def router_class(binding):
         to it and answers it in the op's result format (cudnn_result), and each SDPA call as the step's SDPA drop-in
         does (SdpaRouter); every other call goes to torch unchanged. A cuDNN op call is decided by the SDPA drop-in's
         own rules (binding.route_reason: bf16, head dim 128, no mask, no dropout, no gradients needed, is_causal only
-        where the step has causal masks: top left, as the op's is_causal means, the seqlens and GPU the step takes),
-        with one more: return_debug_mask=True falls back (the step has no attention matrix to return). Counted in
+        where the step has causal masks, the seqlens and GPU the step takes), with three more: return_debug_mask=True
+        falls back (the step has no attention matrix to return), any attn_bias does (torch's causal biases too), and
+        is_causal with seqlen_q != seqlen_k does (the corner the op means there is unchecked; with equal lengths
+        both corners are one). Counted in
         `routed` and `fallbacks` with the SDPA calls (by this router itself: nested routers of its kind are not
         looked for); strict=True raises NotRouted for a call it cannot take. Tried in eager alone (the context-parallel
         capstone is eager): under torch.compile its cuDNN path is untried."""
@@ -233,6 +235,12 @@ def router_class(binding):
                 return "the arguments do not bind to the cuDNN attention op's parameters"
             if call["return_debug_mask"] is not False:
                 return f"return_debug_mask={call['return_debug_mask']!r}: the step returns no attention matrix"
+            if call["attn_bias"] is not None:  # torch's causal biases included: the answer would ignore them
+                return "attn_bias is given: the ring drop-in takes the cuDNN op without a bias"
+            q, k = call["query"], call["key"]
+            if call["is_causal"] and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4 \
+                    and q.shape[2] != k.shape[2]:
+                return "is_causal with seqlen_q != seqlen_k: which corner the cuDNN op means there is unchecked"
             as_sdpa = {"query": call["query"], "key": call["key"], "value": call["value"], "attn_mask": call["attn_bias"],
                        "dropout_p": call["dropout_p"], "is_causal": call["is_causal"], "scale": call["scale"],
                        "enable_gqa": False}

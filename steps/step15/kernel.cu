@@ -18,12 +18,13 @@
 //     masked get a guarded shift (exp2 of -inf - -inf would be NaN); a row that sees no key stores O = 0, LSE = -inf.
 //   * A balanced schedule. The work tile of query tile i sees about i + 1 K/V tiles, so step14's round robin
 //     gives some CTAs more work than others. Now each CTA takes pairs of tiles of one head: the longest and the
-//     shortest, the second longest and the second shortest..., every pair the same work (work_tile, next_tile).
+//     shortest, the second longest and the second shortest..., every pair about the same work (work_tile, next_tile).
 //   Grouped heads (p.heads_k < p.heads: GQA, and MQA with one K/V head): query head h reads K/V head
-//   h / (heads / heads_k), a different coordinate in the producer's TMA copies and nothing else. The query heads of
+//   h / (heads / heads_k), a different coordinate in the producer's TMA copies (and the K/V tensor maps' head count). The query heads of
 //   one group are neighbours in the schedule (q tiles fastest, then heads), so the CTAs that share a K/V tile run
 //   at about the same time and read it from L2: it leaves HBM about once per group, with no copy made.
-//   Non-causal calls with equal heads take step14's path through every line (one branch more per work tile).
+//   Non-causal calls with equal heads take step14's path, but for a few integer operations per work tile and the
+//   first block's guarded shift.
 //
 // PREDICTION: causal work is half the dense work, and each work tile pays the masked diagonal tile in full (half of
 //   it wasted), so per FLOP counted (the unmasked half) causal runs below dense: at N = 4K (32 K/V tiles per row
@@ -42,6 +43,10 @@
 //   source at git show f33d664:notes/variants/step15-dynamic/kernel.cu): FlashAttention-3's causal scheduler, the
 //   longest tile left handed out at run time (an atomic count in global memory) over sections of heads that fit in
 //   L2, instead of the pairs: 547 / 596 / 623 against the pairs' 563 / 601 / 623 TFLOP/s causal. Not kept.
+//   A head with an odd number of Q tiles first paired its middle tile with the next head's longest; its last pair
+//   now holds the middle tile alone (tiles_per_head). The shapes of record have even counts, so their schedule, and
+//   the figures above, are the same; step15's GPU checks passed with it
+//   (results/h200/2026-12-01-step15-scheduler/checks-pairs-within-heads.log).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -121,16 +126,22 @@ __device__ __forceinline__ void wait_full(uint64_t* full, int count, int kv_tile
 // work on neighbouring Q tiles of the same few (batch, head) pairs, so each K/V tile is read from HBM once and
 // then served from L2. The grid has one CTA per SM, and CTA b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ...
 // Causal: tiles come in pairs of equal work. Within a head, tile 2i is the i-th longest Q tile and tile 2i + 1 the
-// i-th shortest, and CTA b takes the pairs b, b + gridDim.x, ... (both tiles of a pair, one after the other).
+// i-th shortest, and CTA b takes the pairs b, b + gridDim.x, ... (both tiles of a pair, one after the other). A head
+// with an odd number of Q tiles ends in a pair whose second tile is no tile (q_tile -1, skipped): its middle tile goes
+// alone, and no pair spans two heads.
 struct WorkTile {
     int q_tile, head, batch;
 };
-__device__ __forceinline__ WorkTile work_tile(int t, const FwdParams& p) {
-    const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M), i = t % q_tiles;
-    const int q_tile = !p.causal ? i : i % 2 == 0 ? q_tiles - 1 - i / 2 : i / 2;  // causal: long, short, long, ...
-    return {q_tile, t / q_tiles % p.heads, t / q_tiles / p.heads};
+__host__ __device__ __forceinline__ int tiles_per_head(const FwdParams& p) {
+    const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M);
+    return p.causal ? 2 * ceil_div(q_tiles, 2) : q_tiles;  // causal: whole pairs
 }
-__host__ __device__ __forceinline__ int num_work_tiles(const FwdParams& p) { return ceil_div(p.seqlen_q, BLOCK_M) * p.heads * p.batch; }
+__device__ __forceinline__ WorkTile work_tile(int t, const FwdParams& p) {
+    const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M), i = t % tiles_per_head(p), j = i / 2;
+    const int q_tile = !p.causal ? i : i % 2 == 0 ? q_tiles - 1 - j : j < q_tiles - 1 - j ? j : -1;  // long, short, ...
+    return {q_tile, t / tiles_per_head(p) % p.heads, t / tiles_per_head(p) / p.heads};
+}
+__host__ __device__ __forceinline__ int num_work_tiles(const FwdParams& p) { return tiles_per_head(p) * p.heads * p.batch; }
 __host__ __device__ __forceinline__ int tiles_per_turn(const FwdParams& p) { return p.causal ? 2 : 1; }  // a pair, or one
 // This CTA's work tiles: first_tile(p), then next_tile(t, p), ... while t < num_work_tiles(p).
 __device__ __forceinline__ int first_tile(const FwdParams& p) { return blockIdx.x * tiles_per_turn(p); }
@@ -187,6 +198,7 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
     int count = 0, iteration = 0;  // iteration: the work tiles that loaded a Q (those whose rows see a key)
     for (int t = first_tile(p); t < num_work_tiles(p); t = next_tile(t, p)) {
         const WorkTile w = work_tile(t, p);
+        if (w.q_tile < 0) continue;  // the empty half of a head's last pair
         const int num_kv_tiles = kv_range(w, p).tiles;
         if (num_kv_tiles == 0) continue;  // no row sees a key: nothing to load
         const int kv_head = w.head / (p.heads / p.heads_k);  // grouped heads share a K/V head
@@ -221,7 +233,8 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
 // A consumer warpgroup: 64 query rows of every work tile, in registers. The tensor-core work between two
 // softmaxes is one GEMM block: S = Q K^T of K/V tile j, then O += P V of tile j-1, two commit groups issued on
 // this consumer's turn. The first block holds only S of tile 0, the last only the P V of the last tile:
-// peeled, so that no wgmma sits on a conditional path (ptxas would serialize it).
+// peeled, so that no wgmma sits on a conditional path inside a block (ptxas would serialize it; the blocks of a
+// work tile sit under one branch, the tile having K/V at all, which ptxas leaves alone: no serialization warning).
 struct MmaWarpgroup {
     SharedStorage& smem;
     const FwdParams& p;
@@ -387,7 +400,8 @@ struct MmaWarpgroup {
         rescale_o_and_make_p();
     }
     // GEMM block n: O += P V of the last tile alone. Consumer 1 hands no turn over after it: consumer 0 has no
-    // block left in this work tile, and takes the next tile's first turn from consumer 1's opening arrival.
+    // block left in this work tile, and takes the first turn of the next one that has K/V tiles from consumer 1's
+    // opening arrival.
     __device__ void gemm_block_last(int count, int kv_tile) {
         const int stage = count % STAGES;
         wait_full(&smem.V_full[stage], count, kv_tile);
@@ -448,6 +462,7 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
     int count = 0, iteration = 0;  // iteration: the work tiles that loaded a Q, as the producer counts them
     for (int t = first_tile(p); t < num_work_tiles(p); t = next_tile(t, p)) {
         const WorkTile w = work_tile(t, p);
+        if (w.q_tile < 0) continue;  // the empty half of a head's last pair
         const KvRange kv = kv_range(w, p);
         const int q_row = w.q_tile * BLOCK_M + index * ROWS_PER_WARPGROUP;
         wg.start_tile();
@@ -517,7 +532,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
     // 192 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
     cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
-    // The persistent grid: one CTA per SM (or fewer, when there are fewer work tiles). The SM count is read
+    // The persistent grid: one CTA per SM (or fewer, when there are fewer turns: work tiles, or causal pairs). The SM count is read
     // once per device.
     constexpr int MAX_DEVICES = 64;
     static int sm_count[MAX_DEVICES] = {};

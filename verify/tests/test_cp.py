@@ -235,7 +235,8 @@ def test_the_ring_drop_in_answers_the_cudnn_op_in_its_own_format():
 
 
 def test_is_causal_goes_to_a_causal_step_as_top_left():
-    q, k, v = cpu_qkv(n=40, nk=24)
+    """With equal lengths (unequal ones fall back: FALLS_BACK), where both corners are one."""
+    q, k, v = cpu_qkv(n=40, nk=40)
     with ring_router(limits=CPU_CAUSAL_LIMITS) as r:
         res = cp.cudnn_op()(q, k, v, None, True, is_causal=True)
     assert r.routed == 1
@@ -258,9 +259,15 @@ def test_diffusers_cudnn_forward_op_reads_the_step_s_output_and_lse(diffusers):
 
 
 FALLS_BACK = {
-    "attn_bias": (lambda q, k, v: ((q, k, v, torch.zeros(40, 24, dtype=BF16), True), {}), "attn_mask is given: the step takes no mask"),
+    "attn_bias": (lambda q, k, v: ((q, k, v, torch.zeros(40, 24, dtype=BF16), True), {}),
+                  "attn_bias is given: the ring drop-in takes the cuDNN op without a bias"),
+    "causal bias": (lambda q, k, v: ((q, k, v, torch.nn.attention.bias.causal_lower_right(40, 24), True), {}),
+                    "attn_bias is given: the ring drop-in takes the cuDNN op without a bias"),
+    "is_causal, unequal lengths": (lambda q, k, v: ((q, k, v, None, True), {"is_causal": True}),
+                                   "is_causal with seqlen_q != seqlen_k: which corner the cuDNN op means there is unchecked"),
     "dropout": (lambda q, k, v: ((q, k, v, None, True, 0.1), {}), "dropout_p=0.1: the step has no dropout"),
-    "is_causal, non-causal step": (lambda q, k, v: ((q, k, v, None, True), {"is_causal": True}), "is_causal=True: the step is non-causal"),
+    "is_causal, non-causal step": (lambda q, k, v: ((q, q.clone(), q.clone(), None, True), {"is_causal": True}),  # equal lengths
+                                   "is_causal=True: the step is non-causal"),
     "debug mask": (lambda q, k, v: ((q, k, v, None, True), {"return_debug_mask": True}),
                    "return_debug_mask=True: the step returns no attention matrix"),
     "fp16": (lambda q, k, v: ((q.half(), k.half(), v.half(), None, True), {}),
