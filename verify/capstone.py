@@ -543,11 +543,28 @@ def is_full(run: dict) -> bool:
             and list(run["modes"]) == list(MODES) and run["timing"]["iters"] >= 5)
 
 
+def newest_run(pattern: str, accept, root: Path = ROOT) -> dict | None:
+    """The newest results file under `root` matching the glob `pattern` (by name: the names are timestamps) whose run
+    `accept` takes, read; None where there is none. The capstone's and the prefill's run of record."""
+    runs = [json.loads(p.read_text()) for p in sorted(root.glob(pattern), key=lambda p: p.name)]
+    accepted = [r for r in runs if accept(r)]
+    return accepted[-1] if accepted else None
+
+
+def write_readme_section(readme: Path, begin: str, end: str, text: str) -> bool:
+    """The README's section between the markers `begin` and `end` replaced by `text`; False (nothing written) where
+    the README has no such markers."""
+    from verify.report import replace_between
+    new = replace_between(readme.read_text(), begin, end, text)
+    if new is None:
+        return False
+    readme.write_text(new)
+    return True
+
+
 def newest_full_run(root: Path = ROOT) -> dict | None:
     """The newest run of record under results/ (what the README shows), or None."""
-    runs = [json.loads(p.read_text()) for p in sorted(root.glob(CAPSTONE_GLOB), key=lambda p: p.name)]
-    full = [r for r in runs if r.get("kind") == "capstone" and is_full(r)]
-    return full[-1] if full else None
+    return newest_run(CAPSTONE_GLOB, lambda r: r.get("kind") == "capstone" and is_full(r), root)
 
 
 def readme_section(run: dict | None) -> str:
@@ -555,12 +572,7 @@ def readme_section(run: dict | None) -> str:
 
 
 def update_readme(readme: Path, run: dict | None) -> bool:
-    from verify.report import replace_between
-    text = replace_between(readme.read_text(), README_BEGIN, README_END, readme_section(run))
-    if text is None:
-        return False
-    readme.write_text(text)
-    return True
+    return write_readme_section(readme, README_BEGIN, README_END, readme_section(run))
 
 
 def chart(run: dict, path: Path) -> None:

@@ -432,9 +432,7 @@ def is_full(run: dict) -> bool:
 
 
 def newest_full_run(root: Path = ROOT) -> dict | None:
-    runs = [json.loads(p.read_text()) for p in sorted(root.glob(PREFILL_GLOB), key=lambda p: p.name)]
-    full = [r for r in runs if is_full(r)]
-    return full[-1] if full else None
+    return capstone.newest_run(PREFILL_GLOB, is_full, root)
 
 
 def readme_section(run: dict | None) -> str:
@@ -443,12 +441,7 @@ def readme_section(run: dict | None) -> str:
 
 def update_readme(readme: Path, run: dict | None) -> bool:
     """The section between README_BEGIN and README_END regenerated; False (nothing written) where there are none."""
-    from verify.report import replace_between
-    text = replace_between(readme.read_text(), README_BEGIN, README_END, readme_section(run))
-    if text is None:
-        return False
-    readme.write_text(text)
-    return True
+    return capstone.write_readme_section(readme, README_BEGIN, README_END, readme_section(run))
 
 
 # ---------------------------------------------------------------- the command line

@@ -26,6 +26,7 @@ F = torch.nn.functional
 
 from verify import capstone, cp  # noqa: E402
 from verify.reference import attention_reference, attention_reference_of, causal_mask  # noqa: E402
+from verify.tests.test_capstone import optional  # noqa: E402
 from verify.tests.test_sdpa_router import (  # noqa: E402
     CPU_CAUSAL_LIMITS,
     CPU_LIMITS,
@@ -38,13 +39,6 @@ from verify.tests.test_sdpa_router import (  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 BF16 = torch.bfloat16
 SCALE = 1 / math.sqrt(128)
-
-
-def optional(name: str):
-    """An optional dependency: skipped without it, but in CI, where its absence is a failure (as test_capstone.py)."""
-    if os.environ.get("CI"):
-        return importlib.import_module(name)
-    return pytest.importorskip(name, reason=f"{name} is optional here (pip install -r requirements-capstone.txt)")
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from verify import prefill  # noqa: E402
+from verify.tests.test_capstone import optional  # noqa: E402
 
 binding = importlib.import_module("binding")  # common/binding.py, on sys.path through verify.steps (prefill imports it)
 
@@ -34,13 +35,6 @@ TINY = {**prefill.LLAMA3_8B, "vocab_size": 64, "hidden_size": 512, "intermediate
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
         "bos_token_id": None, "eos_token_id": None}
 TOKENS = 40
-
-
-def optional(name: str):
-    """An optional dependency: skipped without it, but in CI, where its absence is a failure."""
-    if os.environ.get("CI"):
-        return importlib.import_module(name)
-    return pytest.importorskip(name, reason=f"{name} is optional here (pip install -r requirements-capstone.txt)")
 
 
 @pytest.fixture(scope="module")
