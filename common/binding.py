@@ -504,6 +504,9 @@ def route_reason(call: Optional[dict], limits: SdpaLimits, grad_enabled: bool) -
     dropout = call["dropout_p"]
     if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or dropout != 0:
         return f"dropout_p={dropout!r}: the step has no dropout"
+    if not isinstance(call["is_causal"], bool):  # torch's own call raises a TypeError for it: leave that to torch
+        kind = "a tensor" if isinstance(call["is_causal"], TensorMeta) else f"{call['is_causal']!r} ({type(call['is_causal']).__name__})"
+        return f"is_causal is {kind}, not a bool (torch refuses it)"
     if call["is_causal"] is not False and not (call["is_causal"] is True and limits.features & FEATURE_CAUSAL):
         return f"is_causal={call['is_causal']!r}: the step is non-causal"
     if len(q.shape) == len(k.shape) == 4 and q.shape[1] != k.shape[1]:

@@ -182,6 +182,8 @@ CAUSAL_FALLS_BACK = {
     "one key/value head without enable_gqa": (lambda: (gqa(4, 1), {}),
                                               "4 query heads and 1 key/value heads without enable_gqa (torch broadcasts a "
                                               "single key/value head and refuses other counts; the step leaves it to torch)"),
+    "is_causal not a bool": (lambda: (qkv(), {"is_causal": 1}), "is_causal is 1 (int), not a bool (torch refuses it)"),
+    "is_causal a tensor": (lambda: (qkv(), {"is_causal": torch.tensor(True)}), "is_causal is a tensor, not a bool (torch refuses it)"),
     "dropout": (lambda: (qkv(), {"is_causal": True, "dropout_p": 0.1}), "dropout_p=0.1: the step has no dropout"),
     "needs grad": (lambda: (qkv(requires_grad=True), {"is_causal": True}),
                    "gradients are needed: the step computes no backward (run the model under torch.no_grad())"),
