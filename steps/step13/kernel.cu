@@ -23,20 +23,33 @@
 //     shuffles, above all 64 exponentials of each thread: only the max would run under the P V. One fence
 //     after the softmax keeps the wait where the source puts it (verify/tests/test_sass.py counts the
 //     MUFU.EX2 between the two waits).
+//   * The row max in short chains. Between the two waits a warp has little to issue but its softmax, and
+//     the exponentials wait for the row's max. Written as one loop, fmaxf(tile_max, ...),
+//     that max is a chain of 16 dependent FMNMX per row (19 with the shuffles), and ptxas keeps it so. Now
+//     each row's max is four independent chains of four, and both rows' maxima come before both quads'
+//     shuffles: the longest chain is 8 (test_sass.py follows the registers). fmax is exact in any order,
+//     so O and LSE are bitwise what one chain gives.
 //
 // PREDICTION: the exponentials of one warpgroup now overlap its own P V as well as the other consumer's
 //   block, so even when the two consumers drift into step with each other the tensor cores have work:
-//   +5-10% over step12.
+//   +5-10% over step12. The short max chains were found on step14, where they gave 1.009 / 1.012 / 1.023x at
+//   N = 4K / 16K and the video shape (results/h200/2026-12-01-fa3-sync-and-176/ab14-max.log): +1-2% more.
 // ON THE WAY (results/h200/variants-2026-12-01-s12.log, steady state, N = 4K / 16K, one run): this order
 //   matters. The same overlap on step11, where O is rescaled after every tile, ran at 588.8 / 617.3 TFLOP/s
 //   with the fence and 612.7 / 634.8 without it (the build the ladder had as its step12 until 2026-12):
 //   the likely cause is the unconditional O rescale, 64 FMUL per thread that then wait for the P V alone,
 //   where ptxas's order had mixed them with the exponentials. With the rescale rare (step12), the fenced
 //   overlap ran at 625.7 / 660.8.
-// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   596.6 / 616.5 / 625.6 -> 629.8 / 654.3 / 661.1 TFLOP/s (1.06x at each N), 1.03 / 1.05 / 1.05x SDPA's cuDNN backend, inside
-//   the prediction. The tensor cores work more of the time: in one traced CTA (results/h200/2026-12-01T09-46-07Z-logs/trace.log),
-//   a GEMM is in flight 57.8% of the run against step12's 23.2% (results/h200/timeline/step13.png).
+//   The short max chains pay only once the kernel is persistent (results/h200/2026-12-01-max2/ab-placement.log,
+//   one run, N = 4K / 16K, each against its own build with one chain): 0.990 / 1.001x on this step,
+//   1.007 / 1.020x on step14, and 0.962 / 0.957x on step06, where they stay out. They are here, with the overlap
+//   they serve, rather than in a step of their own: the ladder stops at fourteen.
+// MEASURED (results/h200/2026-12-01T16-28-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   600.9 / 621.7 / 632.3 -> 632.6 / 659.4 / 659.8 TFLOP/s (1.05 / 1.06 / 1.04x), 1.02 / 1.05 / 1.05x SDPA's cuDNN backend,
+//   inside the prediction for the overlap; the short max chains add nothing here, as the A/B above found.
+//   The tensor cores work more of the time: in one traced CTA of the build before the short max chains
+//   (results/h200/2026-12-01T09-46-07Z-logs/trace.log), a GEMM is in flight 57.8% of the run against step12's 23.2%
+//   (results/h200/timeline/step13.png).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -216,14 +229,21 @@ struct MmaWarpgroup {
     // the online-softmax update of this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8) -- the new
     // max, the probabilities in place, the row sums -- and each row's rescale factor alpha.
     __device__ void softmax() {
+        // Both rows' maxima first, each in four independent chains (fmax is exact in any order), then both
+        // quads' shuffles: the exponentials wait for chains of 4 FMNMX, not for one of 16 per row.
+        float row_max[2];
         for (int r = 0; r < 2; ++r) {
-            float tile_max = -INFINITY;
-            for (int nb = 0; nb < S_BLOCKS; ++nb) tile_max = fmaxf(tile_max, fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            float m[4];
+            for (int j = 0; j < 4; ++j) m[j] = fmaxf(S_acc[4 * j + 2 * r], S_acc[4 * j + 2 * r + 1]);
+            for (int nb = 4; nb < S_BLOCKS; ++nb) m[nb % 4] = fmaxf(m[nb % 4], fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            row_max[r] = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+        }
+        for (int r = 0; r < 2; ++r) row_max[r] = quad_max(row_max[r]);
+        for (int r = 0; r < 2; ++r) {
             // Conditional rescaling: keep the old shift unless the tile's max is far above it (always moved on
             // the first tile, where m_i = -inf). Exact either way: l and O use the same shift (verify/model.py).
-            const float row_max = quad_max(tile_max);
-            const bool move = (row_max - m_i[r]) * scale_log2 > RESCALE_THRESHOLD;
-            const float m_new = move ? row_max : m_i[r];
+            const bool move = (row_max[r] - m_i[r]) * scale_log2 > RESCALE_THRESHOLD;
+            const float m_new = move ? row_max[r] : m_i[r];
             alpha[r] = move ? ex2_approx_ftz((m_i[r] - m_new) * scale_log2) : 1.f;  // 2^-inf = 0 on the first tile
             const float m_scaled = m_new * scale_log2;
             float row_sum = 0.f;

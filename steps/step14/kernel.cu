@@ -26,10 +26,13 @@
 //
 // PREDICTION: the start-up and tail per tile are small next to 32-128 K/V tiles of work at N = 4K-16K,
 //   so the gain is mostly at the short sequences: +2-5% at N = 1K-2K, +1-2% at 16K.
-// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   629.8 / 654.3 / 661.1 -> 664.3 / 674.1 / 676.7 TFLOP/s (1.05 / 1.03 / 1.02x), 1.08 / 1.08 / 1.08x SDPA's cuDNN backend;
-//   529.8 -> 608.8 at N = 1K (1.15x): above the prediction at short sequences, inside it at 16K. The 1.10x
-//   cuDNN target is not met; 0.97 / 0.98 / 0.99x the cuBLAS bf16 GEMM 8192^3 of the same run (685.3).
+// MEASURED (results/h200/2026-12-01T16-28-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   632.6 / 659.4 / 659.8 -> 671.8 / 685.6 / 688.9 TFLOP/s (1.06 / 1.04 / 1.04x), 1.08 / 1.09 / 1.09x SDPA's cuDNN backend;
+//   530.7 -> 609.4 at N = 1K (1.15x): above the prediction at short sequences and at 16K, where part of the gain is
+//   step13's short max chains, which pay only here (1.007 / 1.020x at 4K / 16K against one chain,
+//   results/h200/2026-12-01-max2/ab-placement.log). Against FlashAttention-3 in the same run: 1.00 / 0.99 / 0.99x
+//   (668.5 / 695.3 / 696.6), and 691.1 against 704.9 at the video shape (0.98x); the 1.10x cuDNN target is not met;
+//   0.98 / 1.00 / 1.01x the cuBLAS bf16 GEMM 8192^3 of the same run (683.5).
 // ON THE WAY (results/h200/variants-2026-12-01-s12.log, steady state, N = 4K / 16K): the restructure of
 //   steps 10-14 into named functions left the speed alone: 662.0 / 674.0 TFLOP/s beside the build before
 //   it (old14) at 664.6 / 671.1, in one run.
@@ -232,14 +235,21 @@ struct MmaWarpgroup {
     // the online-softmax update of this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8) -- the new
     // max, the probabilities in place, the row sums -- and each row's rescale factor alpha.
     __device__ void softmax() {
+        // Both rows' maxima first, each in four independent chains (fmax is exact in any order), then both
+        // quads' shuffles: the exponentials wait for chains of 4 FMNMX, not for one of 16 per row.
+        float row_max[2];
         for (int r = 0; r < 2; ++r) {
-            float tile_max = -INFINITY;
-            for (int nb = 0; nb < S_BLOCKS; ++nb) tile_max = fmaxf(tile_max, fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            float m[4];
+            for (int j = 0; j < 4; ++j) m[j] = fmaxf(S_acc[4 * j + 2 * r], S_acc[4 * j + 2 * r + 1]);
+            for (int nb = 4; nb < S_BLOCKS; ++nb) m[nb % 4] = fmaxf(m[nb % 4], fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            row_max[r] = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+        }
+        for (int r = 0; r < 2; ++r) row_max[r] = quad_max(row_max[r]);
+        for (int r = 0; r < 2; ++r) {
             // Conditional rescaling: keep the old shift unless the tile's max is far above it (always moved on
             // the first tile, where m_i = -inf). Exact either way: l and O use the same shift (verify/model.py).
-            const float row_max = quad_max(tile_max);
-            const bool move = (row_max - m_i[r]) * scale_log2 > RESCALE_THRESHOLD;
-            const float m_new = move ? row_max : m_i[r];
+            const bool move = (row_max[r] - m_i[r]) * scale_log2 > RESCALE_THRESHOLD;
+            const float m_new = move ? row_max[r] : m_i[r];
             alpha[r] = move ? ex2_approx_ftz((m_i[r] - m_new) * scale_log2) : 1.f;  // 2^-inf = 0 on the first tile
             const float m_scaled = m_new * scale_log2;
             float row_sum = 0.f;

@@ -32,13 +32,13 @@
 //   imbalance (pairs of equal work: 1024 pairs over 132 CTAs, 8 against 7.76, 97%; step14's round robin: 89-93%
 //   at 4K-8K, 64% at 16K, where 132 CTAs walk 128 tiles of one head): ~94% of step14's dense
 //   TFLOP/s, ~1.10x SDPA's causal cuDNN. GQA: the same speed as with equal heads. Non-causal: step14's speed.
-// MEASURED (results/h200/2026-12-01T13-36-45Z.json, H200, steady state, N = 4K / 8K / 16K): causal, 16 heads,
-//   606.4 / 635.0 / 657.1 TFLOP/s (counting the unmasked half), 1.13 / 1.13 / 1.13x SDPA's causal cuDNN (538.5 /
-//   563.4 / 581.3) and 0.95 / 0.97 / 0.97x FlashAttention-3's causal (636.9 / 656.4 / 678.0); against step14's
-//   dense 668.0 / 678.1 / 679.3, below the prediction at 4K and above it at 16K. Causal with Llama-3-8B's 32 query
-//   heads over 8 K/V heads: 605.4 / 639.1 / 654.2, 1.10 / 1.11 / 1.10x cuDNN, 0.95 / 0.96 / 0.96x FA3: grouped heads
-//   cost nothing. Non-causal: 671.2 / 683.2 / 680.0, step14's speed (1.00 / 1.01 / 1.00x). FA3 leads causal by what
-//   it leads dense by (step14 is 0.99 / 0.98 / 0.97x FA3 dense in the same run): the gap is the dense kernel's.
+// MEASURED (results/h200/2026-12-01T16-28-07Z.json, H200, steady state, N = 4K / 8K / 16K): causal, 16 heads,
+//   605.6 / 637.7 / 657.7 TFLOP/s (counting the unmasked half), 1.14 / 1.15 / 1.15x SDPA's causal cuDNN (530.8 /
+//   554.6 / 572.4) and 0.97x FlashAttention-3's causal at each N (627.2 / 656.6 / 675.0); against step14's dense
+//   671.8 / 685.6 / 688.9, below the prediction at 4K and above it at 16K. Causal with Llama-3-8B's 32 query heads
+//   over 8 K/V heads: 604.6 / 640.2 / 656.0, 1.10 / 1.12 / 1.12x cuDNN, 0.95 / 0.97 / 0.97x FA3: grouped heads cost
+//   nothing. Non-causal: 668.4 / 684.7 / 690.8, step14's speed (0.99 / 1.00 / 1.00x). Causal, FA3 leads by more than
+//   it leads dense by (step14 is 1.00 / 0.99 / 0.99x FA3 dense in the same run): the masked and unbalanced tiles.
 // ON THE WAY (results/h200/2026-12-01-step15-scheduler/ab15.log, interleaved windows, not the sustained method;
 //   source at git show f33d664:notes/variants/step15-dynamic/kernel.cu): FlashAttention-3's causal scheduler, the
 //   longest tile left handed out at run time (an atomic count in global memory) over sections of heads that fit in
@@ -292,14 +292,21 @@ struct MmaWarpgroup {
     // no key left in this tile (max -inf), nor before it: its shift stays 0 rather than -inf (2^(-inf + inf) is NaN).
     template <bool MASKED>
     __device__ void softmax() {
+        // Both rows' maxima first, each in four independent chains (fmax is exact in any order), then both
+        // quads' shuffles: the exponentials wait for chains of 4 FMNMX, not for one of 16 per row.
+        float row_max[2];
         for (int r = 0; r < 2; ++r) {
-            float tile_max = -INFINITY;
-            for (int nb = 0; nb < S_BLOCKS; ++nb) tile_max = fmaxf(tile_max, fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            float m[4];
+            for (int j = 0; j < 4; ++j) m[j] = fmaxf(S_acc[4 * j + 2 * r], S_acc[4 * j + 2 * r + 1]);
+            for (int nb = 4; nb < S_BLOCKS; ++nb) m[nb % 4] = fmaxf(m[nb % 4], fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            row_max[r] = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+        }
+        for (int r = 0; r < 2; ++r) row_max[r] = quad_max(row_max[r]);
+        for (int r = 0; r < 2; ++r) {
             // Conditional rescaling: keep the old shift unless the tile's max is far above it (always moved on
             // the first tile, where m_i = -inf). Exact either way: l and O use the same shift (verify/model.py).
-            const float row_max = quad_max(tile_max);
-            const bool move = (row_max - m_i[r]) * scale_log2 > RESCALE_THRESHOLD;
-            const float m_new = move ? row_max : m_i[r];
+            const bool move = (row_max[r] - m_i[r]) * scale_log2 > RESCALE_THRESHOLD;
+            const float m_new = move ? row_max[r] : m_i[r];
             alpha[r] = move ? ex2_approx_ftz((m_i[r] - m_new) * scale_log2) : 1.f;  // 2^-inf = 0 on the first tile
             const float m_scaled = MASKED && m_new == -INFINITY ? 0.f : m_new * scale_log2;
             float row_sum = 0.f;

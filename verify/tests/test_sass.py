@@ -44,9 +44,13 @@ class Claim:
     # (what, start, end, inner, at_least): in some stretch of code from an instruction matching `start` to the
     # next one matching `end`, at least `at_least` instructions match `inner` (where the compiler put things).
     between: tuple | None = None
+    # (what, start, end, inner, at_most): in every stretch from an instruction matching `start` to the next one
+    # matching `end` (at least one), no chain of `inner` instructions, each reading the one before through a
+    # register, is longer than `at_most` (how long the code after waits for them).
+    chain: tuple | None = None
 
     def parts(self) -> int:
-        return len(self.present) + len(self.absent) + (self.between is not None)
+        return len(self.present) + len(self.absent) + (self.between is not None) + (self.chain is not None)
 
     def covers(self, step_number: int) -> bool:
         return self.first <= step_number and (self.last is None or step_number <= self.last)
@@ -66,6 +70,11 @@ class Claim:
             most = max(stretch_counts(sass, start, end, inner), default=None)
             if most is None or most < at_least:
                 out.append(f"not {at_least} {what}: " + ("no such stretch" if most is None else f"at most {most}"))
+        if self.chain:
+            what, start, end, inner, at_most = self.chain
+            longest = max(longest_chains(sass, start, end, inner), default=None)
+            if longest is None or longest > at_most:
+                out.append(f"not {what}: " + ("no such stretch" if longest is None else f"a chain of {longest}"))
         return out
 
 
@@ -85,6 +94,36 @@ def stretch_counts(sass, start: str, end: str, inner: str) -> list[int]:
         elif open_count is not None and re.match(inner, i.text):
             open_count += 1
     return counts
+
+
+REGISTER = re.compile(r"\bR(\d+)\b")  # R0-R255; not RZ, not the uniform UR registers
+
+
+def longest_chains(sass, start: str, end: str, inner: str) -> list[int]:
+    """For each stretch from an instruction matching `start` to the next one matching `end` (as stretch_counts
+    finds them): the longest chain of `inner` instructions in it, each reading a register the one before wrote
+    (the first operand is the one written). Any other instruction that writes a register ends the chains
+    through it."""
+    out, depth, open_, function = [], {}, False, None
+    for i in sass:
+        if i.function != function:
+            open_, function = False, i.function
+        if open_ and re.match(end, i.text):
+            out.append(max(depth.values(), default=0))
+            open_ = False
+        elif re.match(start, i.text):
+            open_, depth = True, {}
+        elif open_:
+            operands = i.text.split(None, 1)[1] if " " in i.text else ""
+            registers = REGISTER.findall(operands)
+            if not registers:
+                continue
+            written, read = registers[0], registers[1:]
+            if re.match(inner, i.text):
+                depth[written] = 1 + max((depth.get(r, 0) for r in read), default=0)
+            else:
+                depth.pop(written, None)
+    return out
 
 
 # A kernel that has to keep an array in local memory: stored and loaded at indices known only at run time.
@@ -127,6 +166,12 @@ CLAIMS = [
           between=("MUFU.EX2 (a thread's 64 exponentials of one tile) between wgmma.wait_group 1 and the next "
                    "wait_group 0: they run while P V is in flight, not after it (without the fence, ptxas puts none there)",
                    r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", r"MUFU\.EX2\b", 64)),
+    # 8 = four chains of four FMNMX per row, two more to join them, two after the quad's shuffles. One chain over a
+    # row's 16 key blocks is 19.
+    Claim("short_row_max", 13, None,
+          chain=("a row max in short chains: between each wgmma wait and the next MUFU.EX2, no chain of dependent FMNMX "
+                 "longer than 8 (the exponentials wait for it)",
+                 r"WARPGROUP\.DEPBAR\.LE\s+gsb0", r"MUFU\.EX2\b", r"FMNMX\b", 8)),
     Claim("tma_store", 14, None, present={"UTMASTG (cp.async.bulk.tensor shared -> global: the epilogue)": r"UTMASTG\b"}),
     Claim("no_local_memory", 1, None, absent={"LDL (a load from local memory)": r"LDL\b",
                                               "STL (a store to local memory)": r"STL\b"},
@@ -395,6 +440,23 @@ def test_stretch_counts_counts_between_each_start_and_its_end():
     _, start, end, inner, _ = claim.between
     assert stretch_counts(sass, start, end, inner) == [2, 0]
     assert claim.problems(sass) == [f"not 64 {claim.between[0]}: at most 2"]
+
+
+def test_longest_chains_follows_the_registers():
+    text = ["WARPGROUP.DEPBAR.LE gsb0, 0x1", "FMNMX R1, R2, R3, !PT", "FMNMX R4, R5, R6, !PT", "FMNMX R1, R1, R4, !PT",
+            "MOV R4, R7", "FMNMX R8, R1, R9, !PT", "FMNMX R10, R4, R11, !PT", "MUFU.EX2 R12, R8",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x0", "FMNMX R1, R2, R3, !PT", "MUFU.EX2 R4, R1",
+            "FMNMX R1, R1, R1, !PT"]  # outside every stretch: not counted
+    sass = [Instruction("k", f"{i:04x}", s) for i, s in enumerate(text)]
+    claim = next(c for c in CLAIMS if c.name == "short_row_max")
+    _, start, end, inner, _ = claim.chain
+    # R1 (1) -> R1 (2) -> R8 (3); R4 is rewritten by the MOV, so R10's chain starts again (1)
+    assert longest_chains(sass, start, end, inner) == [3, 1]
+    assert claim.problems(sass) == []
+    long = [Instruction("k", "0000", "WARPGROUP.DEPBAR.LE gsb0, 0x1")]
+    long += [Instruction("k", f"{i:04x}", "FMNMX R1, R1, R2, !PT") for i in range(1, 10)]
+    long += [Instruction("k", "000a", "MUFU.EX2 R3, R1")]
+    assert claim.problems(long) == [f"not {claim.chain[0]}: a chain of 9"]
 
 
 def test_sass_parser_reads_each_architectures_section():
