@@ -26,9 +26,10 @@
 //   * The row max in short chains. Between the two waits a warp has little to issue but its softmax, and
 //     the exponentials wait for the row's max. Written as one loop, fmaxf(tile_max, ...),
 //     that max is a chain of 16 dependent FMNMX per row (19 with the shuffles), and ptxas keeps it so. Now
-//     each row's max is four independent chains of four, and both rows' maxima come before both quads'
-//     shuffles: the longest chain is 8 (test_sass.py follows the registers). fmax is exact in any order,
-//     so O and LSE are bitwise what one chain gives.
+//     each row's max is four independent chains of four, and the source puts both rows' maxima before both
+//     quads' shuffles (here ptxas keeps that order; in step14 it starts row 0's shuffles amid row 1's chains):
+//     the longest chain is 8 (test_sass.py follows the registers). fmax is exact in any order, so O and LSE
+//     are bitwise what one chain gives.
 //
 // PREDICTION: the exponentials of one warpgroup now overlap its own P V as well as the other consumer's
 //   block, so even when the two consumers drift into step with each other the tensor cores have work:
