@@ -78,44 +78,40 @@ class Claim:
         return out
 
 
-def stretch_counts(sass, start: str, end: str, inner: str) -> list[int]:
-    """For each instruction matching `start`: how many match `inner` before the next one matching `end` (in the
-    same function, in address order; a stretch with no end is not counted, and a second start before the end
-    begins the stretch anew)."""
-    counts, open_count, function = [], None, None
+def stretches(sass, start: str, end: str) -> list[list[Instruction]]:
+    """The instructions between each one matching `start` and the next one matching `end` (in the same function,
+    in address order; a stretch with no end is left out, and a second start before the end begins it anew)."""
+    out, current, function = [], None, None
     for i in sass:
         if i.function != function:
-            open_count, function = None, i.function
-        if open_count is not None and re.match(end, i.text):
-            counts.append(open_count)
-            open_count = None
+            current, function = None, i.function
+        if current is not None and re.match(end, i.text):
+            out.append(current)
+            current = None
         elif re.match(start, i.text):
-            open_count = 0
-        elif open_count is not None and re.match(inner, i.text):
-            open_count += 1
-    return counts
+            current = []
+        elif current is not None:
+            current.append(i)
+    return out
+
+
+def stretch_counts(sass, start: str, end: str, inner: str) -> list[int]:
+    """For each stretch (stretches): how many of its instructions match `inner`."""
+    return [sum(bool(re.match(inner, i.text)) for i in s) for s in stretches(sass, start, end)]
 
 
 REGISTER = re.compile(r"\bR(\d+)\b")  # R0-R255; not RZ, not the uniform UR registers
 
 
 def longest_chains(sass, start: str, end: str, inner: str) -> list[int]:
-    """For each stretch from an instruction matching `start` to the next one matching `end` (as stretch_counts
-    finds them): the longest chain of `inner` instructions in it, each reading a register the one before wrote
-    (the first operand is the one written). Any other instruction that writes a register ends the chains
-    through it."""
-    out, depth, open_, function = [], {}, False, None
-    for i in sass:
-        if i.function != function:
-            open_, function = False, i.function
-        if open_ and re.match(end, i.text):
-            out.append(max(depth.values(), default=0))
-            open_ = False
-        elif re.match(start, i.text):
-            open_, depth = True, {}
-        elif open_:
-            operands = i.text.split(None, 1)[1] if " " in i.text else ""
-            registers = REGISTER.findall(operands)
+    """For each stretch (stretches): the longest chain of `inner` instructions in it, each reading a register the
+    one before wrote (the first operand is the one written). Any other instruction that writes a register ends
+    the chains through it."""
+    out = []
+    for s in stretches(sass, start, end):
+        depth = {}
+        for i in s:
+            registers = REGISTER.findall(i.text.split(None, 1)[1] if " " in i.text else "")
             if not registers:
                 continue
             written, read = registers[0], registers[1:]
@@ -123,6 +119,7 @@ def longest_chains(sass, start: str, end: str, inner: str) -> list[int]:
                 depth[written] = 1 + max((depth.get(r, 0) for r in read), default=0)
             else:
                 depth.pop(written, None)
+        out.append(max(depth.values(), default=0))
     return out
 
 
