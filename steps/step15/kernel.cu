@@ -38,7 +38,7 @@
 //   671.8 / 685.6 / 688.9, below the prediction at 4K and above it at 16K. Causal with Llama-3-8B's 32 query heads
 //   over 8 K/V heads: 604.6 / 640.2 / 656.0, 1.10 / 1.12 / 1.12x cuDNN, 0.95 / 0.97 / 0.97x FA3: grouped heads cost
 //   nothing. Non-causal: 668.4 / 684.7 / 690.8, step14's speed (0.99 / 1.00 / 1.00x). Causal, FA3 leads by more than
-//   it leads dense by (step14 is 1.00 / 0.99 / 0.99x FA3 dense in the same run): the masked and unbalanced tiles.
+//   it leads dense by (step14 is 1.00 / 0.99 / 0.99x FA3 dense in the same run); where the rest goes is not measured.
 // ON THE WAY (results/h200/2026-12-01-step15-scheduler/ab15.log, interleaved windows, not the sustained method;
 //   source at git show f33d664:notes/variants/step15-dynamic/kernel.cu): FlashAttention-3's causal scheduler, the
 //   longest tile left handed out at run time (an atomic count in global memory) over sections of heads that fit in
