@@ -6,7 +6,7 @@ export PYTHONPATH=/tmp/site
 python3 -c "from verify import steps; steps.build(['step14','step15'])" > $OUT/build.log 2>&1 || tail -20 $OUT/build.log
 run() { name=$1; shift
   timeout 120 ncu --clock-control none --profile-from-start off --section SourceCounters --section WarpStateStats \
-    --section SchedulerStats --import-source no -f -o $OUT/$name python3 .scratch/src/one.py "$@" > $OUT/$name.ncu.log 2>&1
+    --section SchedulerStats --import-source no -f -o $OUT/$name python3 results/h200/2026-12-01-source-stalls/one.py "$@" > $OUT/$name.ncu.log 2>&1
   tail -3 $OUT/$name.ncu.log
   ncu -i $OUT/$name.ncu-rep --page source --csv --print-source sass > $OUT/$name.source.csv 2> $OUT/$name.source.err \
     || ncu -i $OUT/$name.ncu-rep --page source --csv > $OUT/$name.source.csv 2>> $OUT/$name.source.err

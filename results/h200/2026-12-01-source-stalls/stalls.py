@@ -26,7 +26,8 @@ def load(path):
         stalls = [h for h in hdr if h.startswith("stall_") and "(Not" not in h]
         data = [r for r in rows[a + 2:b] if r and r[0].startswith("0x")]
         base = int(data[0][0], 16)
-        ins = [dict(off=int(r[0], 16) - base, addr=int(r[0], 16), src=r[idx["Source"]].strip(), n=int(r[idx["Warp Stall Sampling (All Samples)"]]),
+        samples = idx["Warp Stall Sampling (All Samples)"]
+        ins = [dict(off=int(r[0], 16) - base, addr=int(r[0], 16), src=r[idx["Source"]].strip(), n=int(r[samples]),
                     execs=int(r[idx["Instructions Executed"]] or 0), st={s[6:]: int(r[idx[s]] or 0) for s in stalls})
                for r in data]
         if best is None or sum(d["n"] for d in ins) > sum(d["n"] for d in best[1]):
