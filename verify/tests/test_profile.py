@@ -22,3 +22,31 @@ def test_reads_the_kernel_and_its_counters(impl):
 
 def test_no_kernel_is_none():
     assert profile.parse_ncu_csv("==PROF== Disconnected\n", ["sm__cycles_elapsed.max"]) is None
+
+
+def test_causal_work_is_the_blocks_on_and_below_the_diagonal():
+    assert profile.work_blocks(2, 16, 8192, causal=False) == 2 * 16 * 64 * 64
+    assert profile.work_blocks(2, 16, 8192, causal=True) == 2 * 16 * (64 * 65 // 2)
+    assert profile.work_blocks(1, 1, 128, causal=True) == 1  # one block, which the diagonal crosses
+
+
+def test_the_profiled_call_gets_the_mask_and_the_heads(monkeypatch, tmp_path):
+    seen = []
+
+    class Done:
+        returncode, stdout, stderr = 1, "", "ncu: no kernel"
+    monkeypatch.setattr(profile.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or Done())
+    got = profile.profile("ncu", "step15", (2, 32, 8192), ["sm__cycles_elapsed.max"], tmp_path / "raw.csv", 8, "top_left")
+    assert "error" in got
+    cmd = " ".join(seen[0])
+    assert "--one step15 --shape 2,32,8192 --heads-k 8 --causal top_left" in cmd
+    profile.profile("ncu", "step14", (2, 16, 8192), ["sm__cycles_elapsed.max"], tmp_path / "raw.csv")
+    assert "--heads-k" not in seen[1] and "--causal" not in seen[1]
+
+
+@pytest.mark.parametrize("argv", [["--shape", "2,16,64", "--heads-k", "3"], ["--shape", "2,16"], ["--shape", "2,x,64"],
+                                  ["--causal", "diagonal"]])
+def test_a_bad_request_is_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        profile.main(argv)
+    assert e.value.code == 2 and "error" in capsys.readouterr().err
