@@ -50,3 +50,17 @@ def test_a_bad_request_is_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as e:
         profile.main(argv)
     assert e.value.code == 2 and "error" in capsys.readouterr().err
+
+
+CAUSAL_RUN = RUN.parent / "2026-12-01-fa3-recipe" / "ncu-causal-8k"
+
+
+@pytest.mark.parametrize("impl", ["step15", "s15dyn", "fa3"])
+def test_reads_how_evenly_the_sms_work(impl):
+    """A causal profile: the SMs' least, mean and most active cycles are read, ordered, and are what the log printed."""
+    metrics = [m for _, m in profile.METRICS]
+    got = profile.parse_ncu_csv((CAUSAL_RUN / f"ncu-{impl}.csv").read_text(), metrics)
+    least, mean, most = (got[f"sm__cycles_active.{x}"] for x in ("min", "avg", "max"))
+    assert 0 < least <= mean <= most <= got["sm__cycles_elapsed.max"]
+    log = (CAUSAL_RUN / "c8k.log").read_text()
+    assert "causal from the top left" in log and all(f"{v:.4g}" in log for v in (least, mean, most))
