@@ -1,0 +1,573 @@
+// flashladder step14 -- persistent kernel: a tile scheduler, the epilogue stored by TMA under the next tile's work.
+//
+// The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
+// 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
+// 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
+//
+// WHAT CHANGED FROM STEP13
+//   Until now one CTA computed one 128-row work tile and exited: every tile paid the start-up (barrier
+//   init, the first Q and K/V loads with nothing to overlap them) and the tail (the last P V, the
+//   normalization and the global stores, with the tensor cores idle). Now the grid is one CTA per SM and
+//   each CTA loops over work tiles:
+//   * Tile scheduler (work_tile): tile t = (q_tile, head, batch) with q_tile fastest, CTA b takes tiles b,
+//     b + grid, ... The CTAs that run at the same time work on neighbouring Q tiles of the same few (batch,
+//     head) pairs (at N = 4K a head has 32 tiles, so 132 CTAs span about four heads), so each K/V tile
+//     comes from HBM once and from L2 after that.
+//   * The producer runs on from one tile into the next: the K/V ring's count and phases continue across
+//     tiles, and a new Q_empty barrier (one arrival per consumer warp, after the tile's last S = Q K^T)
+//     lets it load the next tile's Q while the consumers still finish the last P V and the epilogue.
+//   * Epilogue through shared memory: each consumer writes its normalized 64 x 128 output into a tile of
+//     its own in TMA's swizzled layout, fences (fence.proxy.async: ordinary stores, read by the TMA unit),
+//     and one thread stores it with two bulk tensor copies, which leave out rows past seqlen_q. The copies
+//     complete in the background while the warpgroup starts its next tile; before overwriting its output
+//     tile it waits for the previous store to have READ it (cp.async.bulk.wait_group.read). The ping-pong
+//     turn protocol restarts with every tile (consumer 1 hands consumer 0 the first turn each time).
+//   Shared memory: Q 32 KB + K/V ring 128 KB + output 32 KB = 192 KB.
+//
+// PREDICTION: the start-up and tail per tile are small next to 32-128 K/V tiles of work at N = 4K-16K,
+//   so the gain is mostly at the short sequences: +2-5% at N = 1K-2K, +1-2% at 16K.
+// MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+//   629.8 / 654.3 / 661.1 -> 664.3 / 674.1 / 676.7 TFLOP/s (1.05 / 1.03 / 1.02x), 1.08 / 1.08 / 1.08x SDPA's cuDNN backend;
+//   529.8 -> 608.8 at N = 1K (1.15x): above the prediction at short sequences, inside it at 16K. The 1.10x
+//   cuDNN target is not met; 0.97 / 0.98 / 0.99x the cuBLAS bf16 GEMM 8192^3 of the same run (685.3).
+// ON THE WAY (results/h200/variants-2026-12-01-s12.log, steady state, N = 4K / 16K): the restructure of
+//   steps 10-14 into named functions left the speed alone: 662.0 / 674.0 TFLOP/s beside the build before
+//   it (old14) at 664.6 / 671.1, in one run.
+#include "flashladder.cuh"
+#include "mbarrier.cuh"
+#include "ptx.cuh"
+#include "swizzle.cuh"
+#include "tma.cuh"
+#include "trace.cuh"
+#include "wgmma.cuh"
+#include "../wgmma_wide.cuh"
+
+namespace {
+
+constexpr int BLOCK_M = 128;                          // query rows per work tile
+constexpr int BLOCK_N = 176;                          // keys per K/V tile
+constexpr int NUM_CONSUMERS = 2;                      // consumer warpgroups, each computes 64 query rows with wgmma
+constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * WARPGROUP_THREADS;  // warpgroup 0: the producer
+constexpr int ROWS_PER_WARPGROUP = BLOCK_M / NUM_CONSUMERS;  // 64: wgmma's M
+constexpr int S_BLOCKS = BLOCK_N / 8;                 // S: 16 blocks of 8 keys, 4 registers each per thread
+constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 blocks of 8 dims, 4 registers each per thread
+constexpr int QK_STEPS = HEAD_DIM / 16;               // k-steps of S = Q K^T over the head dim
+constexpr int PV_STEPS = BLOCK_N / 16;                // k-steps of O += P V over the keys
+constexpr int STAGES = 2;                             // K/V ring slots: compute one while the other fills
+// FlashAttention-4's conditional rescale: the running max (the shift of the exponentials) moves only when a
+// row's new max exceeds it by more than this, in log2 units; P stays <= 2^8 in between.
+constexpr float RESCALE_THRESHOLD = 8.f;
+// setmaxnreg budgets (per thread): the producer issues TMA copies and needs few; the consumers hold S, P and
+// O. 128 x 24 + 2 x 128 x 240 = 64512 of the SM's 65536 registers.
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+// Byte distances inside a TMA-swizzled [rows, HEAD_DIM] tile (common/swizzle.cuh: two 64-column halves),
+// for the wgmma descriptors (common/wgmma.cuh):
+constexpr int ROW_BYTES = TMA_HALF_COLS * sizeof(__nv_bfloat16);  // 128: one row of one half
+constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);           // 32: 16 columns, one k-step of Q K^T
+constexpr int KSTEPS_PER_HALF = TMA_HALF_COLS / 16;               // k-steps 0-3 read half 0, 4-7 half 1
+constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES, KV_HALF_BYTES = BLOCK_N * ROW_BYTES;
+
+// Shared memory. The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the
+// address bits 4-9, and the wgmma descriptors (base offset 0) assume the atoms start on 1024 bytes.
+struct alignas(1024) SharedStorage {
+    __nv_bfloat16 Q[BLOCK_M * HEAD_DIM];          // [2 halves, BLOCK_M, 64]
+    __nv_bfloat16 K[STAGES][BLOCK_N * HEAD_DIM];  // [2 halves, BLOCK_N, 64] per slot
+    __nv_bfloat16 V[STAGES][BLOCK_N * HEAD_DIM];
+    uint64_t O_free;                              // both consumers' output stores have read slot 0 of V
+    float pin[NUM_CONSUMERS * WARPGROUP_THREADS];  // (variant) row 0's sums, stored to pin its exponentials above the wait
+    uint64_t Q_full, Q_empty;                     // Q has landed / both consumers are done with it (a phase per tile)
+    uint64_t K_full[STAGES], V_full[STAGES];      // slot s holds its tile: the producer's expect_tx + TMA bytes
+    uint64_t K_empty[STAGES], V_empty[STAGES];    // every consumer warp is done with slot s: it may be refilled
+};
+constexpr int SMEM_BYTES = sizeof(SharedStorage);
+constexpr int CONSUMER_WARPS = NUM_CONSUMERS * 4;  // the arrivals that empty a slot
+static_assert(NUM_CONSUMERS == 2, "ping-pong alternates exactly two consumer warpgroups");
+
+// Named barriers (ids 1-15; 0 is __syncthreads). EPILOGUE0/1: one consumer warpgroup's own 128 threads,
+// around its output tile in shared memory.
+enum NamedBarrier : int { CONSUMER0_TURN = 1, CONSUMER1_TURN = 2, EPILOGUE0 = 3, EPILOGUE1 = 4, EPILOGUE_BOTH = 5 };
+
+// Ping-pong's turns on the tensor cores. Each consumer has a turn barrier counting both warpgroups' threads:
+// it waits on its own (bar.sync) before it issues a GEMM block and arrives on the other's (bar.arrive) once
+// the block is issued, so the two consumers' blocks reach the tensor cores alternately.
+struct Turn {
+    int mine, other;
+    __device__ explicit Turn(int consumer)
+        : mine(consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN), other(consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN) {}
+    __device__ void take(int kv_tile) const {
+        TRACE_SPAN(TRACE_TURN_WAIT_BEGIN, kv_tile);
+        named_barrier_sync(mine, NUM_CONSUMERS * WARPGROUP_THREADS);
+    }
+    __device__ void pass() const { named_barrier_arrive(other, NUM_CONSUMERS * WARPGROUP_THREADS); }
+};
+
+// The ring's phases. A slot's n-th fill (n = count / STAGES, count = K/V tiles through the ring so far)
+// completes the full barrier's phase n; the producer's n-th fill waits for the slot's (n-1)-th emptying.
+__device__ __forceinline__ uint32_t full_parity(int count) { return uint32_t(count / STAGES) % 2; }
+__device__ __forceinline__ uint32_t empty_parity(int count) { return uint32_t(count / STAGES + 1) % 2; }
+__device__ __forceinline__ void wait_full(uint64_t* full, int count, int kv_tile) {
+    TRACE_SPAN(TRACE_FULL_WAIT_BEGIN, kv_tile);
+    mbarrier_wait_parity(full, full_parity(count));
+}
+
+// The tile scheduler. Work tile t is (q_tile, head, batch), q_tile fastest: the CTAs that run at the same time
+// work on neighbouring Q tiles of the same few (batch, head) pairs, so each K/V tile is read from HBM once and
+// then served from L2. The grid has one CTA per SM, and CTA b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ...
+struct WorkTile {
+    int q_tile, head, batch;
+};
+__device__ __forceinline__ WorkTile work_tile(int t, const FwdParams& p) {
+    const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M);
+    return {t % q_tiles, t / q_tiles % p.heads, t / q_tiles / p.heads};
+}
+__host__ __device__ __forceinline__ int num_work_tiles(const FwdParams& p) { return ceil_div(p.seqlen_q, BLOCK_M) * p.heads * p.batch; }
+// The K/V walk runs from the last tile to the first: the one partial tile (seqlen_k not a multiple of BLOCK_N)
+// is the first one, so only the first GEMM block masks.
+__device__ __forceinline__ int kv_row(int kv_tile, int num_kv_tiles) { return (num_kv_tiles - 1 - kv_tile) * BLOCK_N; }
+
+// One thread asks the TMA unit for a [ROWS, HEAD_DIM] tile starting at `row` of (head, batch): two boxes of
+// [ROWS, 64] (the two swizzled halves), both completing on `bar`, which first learns how many bytes to expect.
+// Rows past the tensor's end arrive as zeros.
+template <int ROWS>
+__device__ void load_tile_tma(__nv_bfloat16* dst_smem, const CUtensorMap* map, int row, int head, int batch, uint64_t* bar) {
+    mbarrier_arrive_expect_tx(bar, ROWS * HEAD_DIM * sizeof(__nv_bfloat16));
+    cp_async_bulk_tensor_4d_global_to_shared(dst_smem, map, 0, row, head, batch, bar);
+    cp_async_bulk_tensor_4d_global_to_shared(dst_smem + ROWS * TMA_HALF_COLS, map, TMA_HALF_COLS, row, head, batch, bar);
+}
+
+// A descriptor `bytes` further on: the start address field plus bytes / 16. Exact as long as the address stays
+// below 256 KB (the field's 14 bits), which every shared-memory address does: only the low word changes.
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+    const uint32_t lo = uint32_t(desc) + (bytes >> 4), hi = uint32_t(desc >> 32);
+    uint64_t d;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(hi));
+    return d;
+}
+
+// ---- a cluster of two CTAs (variant): K and V multicast to both ----
+constexpr int CLUSTER = 2;
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync_all() {  // not .aligned: the producer's idle threads have exited
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t mapa(const void* p, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void mbarrier_arrive_remote(uint32_t cluster_addr) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" :: "r"(cluster_addr) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_peer(uint32_t cluster_addr) {  // the default semantics, as CUTLASS's
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" :: "r"(cluster_addr) : "memory");
+}
+__device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, uint64_t* bar,
+                                                   uint16_t mask) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
+                 :: "r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                    "r"(smem_u32(bar)), "h"(mask)
+                 : "memory");
+}
+// A K or V tile: this CTA's barrier expects the whole tile; this CTA's producer loads its half (rank r: columns
+// 64r..64r+63) into both CTAs, the peer's producer the other half.
+template <int ROWS>
+__device__ void load_tile_multicast(__nv_bfloat16* dst_smem, const CUtensorMap* map, int row, int head, int batch, uint64_t* bar) {
+    const uint32_t rank = cluster_rank();
+    mbarrier_arrive_expect_tx(bar, ROWS * HEAD_DIM * sizeof(__nv_bfloat16));
+    tma_load_multicast(dst_smem + rank * ROWS * TMA_HALF_COLS, map, rank * TMA_HALF_COLS, row, head, batch, bar, 0b11);
+}
+
+// Max / sum over the 4 threads of a quad (lanes 4r..4r+3 of a warp hold one query row).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The producer: one thread keeps the ring full, across all the work tiles of this CTA. For each tile: Q,
+// once both consumers are done with the previous tile's Q; then every K/V tile, each into the next ring slot
+// once it is empty. The ring's count runs on across tiles, and so do the slots' phases.
+__device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUtensorMap& Q_map, const CUtensorMap& K_map,
+                              const CUtensorMap& V_map) {
+    prefetch_tensormap(&Q_map), prefetch_tensormap(&K_map), prefetch_tensormap(&V_map);
+    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);
+    int count = 0, iteration = 0;
+    for (int t = blockIdx.x; t < num_work_tiles(p); t += gridDim.x, ++iteration) {
+        const WorkTile w = work_tile(t, p);
+        if (iteration > 0) {
+            TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, t);
+            mbarrier_wait_parity(&smem.Q_empty, (iteration - 1) % 2);
+        }
+        TRACE_EVENT(TRACE_TMA_Q, t);
+        load_tile_tma<BLOCK_M>(smem.Q, &Q_map, w.q_tile * BLOCK_M, tma_coord(p.q_stride[1], w.head),
+                               tma_coord(p.q_stride[0], w.batch), &smem.Q_full);
+        for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile, ++count) {
+            const int stage = count % STAGES, row = kv_row(kv_tile, num_kv_tiles);
+            if (count >= STAGES) {
+                TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
+                mbarrier_wait_parity(&smem.K_empty[stage], empty_parity(count));
+            }
+            TRACE_EVENT(TRACE_TMA_K, kv_tile);
+            load_tile_multicast<BLOCK_N>(smem.K[stage], &K_map, row, tma_coord(p.k_stride[1], w.head), tma_coord(p.k_stride[0], w.batch),
+                                   &smem.K_full[stage]);
+            if (count >= STAGES) {
+                TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
+                mbarrier_wait_parity(&smem.V_empty[stage], empty_parity(count));
+            }
+            if (kv_tile == 0 && iteration > 0) mbarrier_wait_parity(&smem.O_free, (iteration - 1) % 2);
+            TRACE_EVENT(TRACE_TMA_V, kv_tile);
+            load_tile_multicast<BLOCK_N>(smem.V[stage], &V_map, row, tma_coord(p.v_stride[1], w.head), tma_coord(p.v_stride[0], w.batch),
+                                   &smem.V_full[stage]);
+        }
+    }
+}
+
+// A consumer warpgroup: 64 query rows of every work tile, in registers. The tensor-core work between two
+// softmaxes is one GEMM block: S = Q K^T of K/V tile j, then O += P V of tile j-1, two commit groups issued on
+// this consumer's turn. The first block holds only S of tile 0, the last only the P V of the last tile:
+// peeled, so that no wgmma sits on a conditional path (ptxas would serialize it).
+struct MmaWarpgroup {
+    SharedStorage& smem;
+    const FwdParams& p;
+    const int index;               // 0 or 1: rows 64 * index .. 64 * index + 63 of the work tile
+    const Turn turn;
+    const int lane, warp;          // warp 0-3 of this warpgroup: rows 16 * warp .. 16 * warp + 15 of its 64
+    const int quad_row;            // this lane holds rows quad_row and quad_row + 8 of its warp's 16
+    const int quad_col;            // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
+    const uint32_t Q_rows;         // this warpgroup's 64 rows of Q at k-step 0: the A operand of S = Q K^T
+    const float scale_log2;        // softmax scale * log2(e): exp(x * scale) = 2^(x * scale_log2)
+    const uint32_t peer_smem;      // (variant) the peer CTA's shared memory, as this CTA addresses it (mapa, once)
+    float S_acc[S_BLOCKS * 4];     // S_acc[4 * nb + i]: key block nb, i as in mma's D fragment (common/wgmma.cuh)
+    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: O_acc[4 * db + i] likewise
+    uint32_t P_frag[PV_STEPS][4];  // the last softmax's P in bf16: the A operand of the next O += P V
+    float m_i[2];                  // running max of rows quad_row, quad_row+8 (RAW scores)
+    float l_i[2];                  // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
+    float alpha[2];                // ... and the rescale factor of the last softmax
+
+    __device__ MmaWarpgroup(SharedStorage& smem_, const FwdParams& p_, int index_)
+        : smem(smem_), p(p_), index(index_), turn(index_), lane(threadIdx.x % 32), warp(threadIdx.x / 32 % 4), quad_row(lane / 4),
+          quad_col(lane % 4), Q_rows(smem_u32(smem_.Q) + index_ * ROWS_PER_WARPGROUP * ROW_BYTES), scale_log2(p_.scale * LOG2E),
+          peer_smem(mapa(&smem_, cluster_rank() ^ 1)) {}
+
+    // S = Q K^T: 8 SS wgmma, one per 16-wide k-step of the head dim (32 bytes further inside an atom, or in
+    // the other half).
+    __device__ void issue_qk(int stage) {
+        const uint64_t Q_desc = wgmma_desc_kmajor(Q_rows), K_desc = wgmma_desc_kmajor(smem_u32(smem.K[stage]));
+        for (int kk = 0; kk < QK_STEPS; ++kk) {
+            const uint32_t half = kk / KSTEPS_PER_HALF, kstep = kk % KSTEPS_PER_HALF * KSTEP_BYTES;
+            wgmma_m64n176k16_ss(S_acc, wgmma_desc_advance(Q_desc, half * Q_HALF_BYTES + kstep),
+                                wgmma_desc_advance(K_desc, half * KV_HALF_BYTES + kstep), kk > 0);
+        }
+    }
+    // O += P V: 8 RS wgmma, one per 16 keys, P from registers, V N-major (16 keys = 2 atoms further).
+    __device__ void issue_pv(int stage) {
+        const uint64_t V_desc = wgmma_desc_nmajor(smem_u32(smem.V[stage]), KV_HALF_BYTES);
+        for (int kk = 0; kk < PV_STEPS; ++kk)
+            wgmma_m64n128k16_rs(O_acc, P_frag[kk], wgmma_desc_advance(V_desc, kk * 2 * WGMMA_ATOM_BYTES), 1);
+    }
+    // The last K/V tile may hold fewer than BLOCK_N keys: TMA filled the rest of its K and V with zeros, whose
+    // scores (0, not -inf) must not count, so they become -inf before the softmax (2^-inf = 0).
+    __device__ void mask_past_seqlen_k(int keys) {
+        for (int nb = 0; nb < S_BLOCKS; ++nb)
+            for (int i = 0; i < 4; ++i)  // S_acc[4 nb + i] is key 8 nb + 2 quad_col + i % 2
+                if (8 * nb + 2 * quad_col + i % 2 >= keys) S_acc[4 * nb + i] = -INFINITY;
+    }
+    // The softmax's first half, on S alone (it runs while this warpgroup's P V may still read P and write O):
+    // the online-softmax update of this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8) -- the new
+    // max, the probabilities in place, the row sums -- and each row's rescale factor alpha.
+    __device__ void softmax_max() {
+        float row_max[2];
+        for (int r = 0; r < 2; ++r) {
+            float m[4];
+            for (int j = 0; j < 4; ++j) m[j] = fmaxf(S_acc[4 * j + 2 * r], S_acc[4 * j + 2 * r + 1]);
+            for (int nb = 4; nb < S_BLOCKS; ++nb) m[nb % 4] = fmaxf(m[nb % 4], fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            row_max[r] = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+        }
+        for (int r = 0; r < 2; ++r) row_max[r] = quad_max(row_max[r]);
+        for (int r = 0; r < 2; ++r) {
+            const bool move = (row_max[r] - m_i[r]) * scale_log2 > RESCALE_THRESHOLD;
+            const float m_new = move ? row_max[r] : m_i[r];
+            alpha[r] = move ? ex2_approx_ftz((m_i[r] - m_new) * scale_log2) : 1.f;
+            m_i[r] = m_new;
+        }
+    }
+    __device__ void softmax_exp(int r, float m_scaled) {
+        float row_sum = 0.f;
+        for (int nb = 0; nb < S_BLOCKS; ++nb) {
+            S_acc[4 * nb + 2 * r] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r], scale_log2, -m_scaled));
+            S_acc[4 * nb + 2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r + 1], scale_log2, -m_scaled));
+            row_sum += S_acc[4 * nb + 2 * r] + S_acc[4 * nb + 2 * r + 1];
+        }
+        l_i[r] = alpha[r] * l_i[r] + row_sum;
+    }
+    __device__ void softmax() {
+        softmax_max();
+        softmax_exp(0, m_i[0] * scale_log2);
+        softmax_exp(1, m_i[1] * scale_log2);
+    }
+    // The second half, once the previous P V is complete: rescale O (skipped when no row of the warp moved
+    // its shift, a warp-uniform branch: after the first few tiles of a row the common case), and P for the
+    // next block (two neighbouring 8-key blocks of S, rounded to bf16).
+    __device__ void rescale_o() {
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+            for (int db = 0; db < O_BLOCKS; ++db) {
+                for (int r = 0; r < 2; ++r) {
+                    O_acc[4 * db + 2 * r] *= alpha[r];
+                    O_acc[4 * db + 2 * r + 1] *= alpha[r];
+                }
+            }
+        }
+    }
+    __device__ void make_p(int r) {
+        for (int kk = 0; kk < PV_STEPS; ++kk) {
+            P_frag[kk][r] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 2 * r], S_acc[8 * kk + 2 * r + 1]);
+            P_frag[kk][2 + r] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 4 + 2 * r], S_acc[8 * kk + 4 + 2 * r + 1]);
+        }
+    }
+    __device__ void rescale_o_and_make_p() {
+        rescale_o();
+        make_p(0);
+        make_p(1);
+    }
+    __device__ void release(uint64_t* empty) const {  // this warp is done with Q
+        if (lane == 0) mbarrier_arrive(empty);
+    }
+    __device__ void release_kv(uint64_t* empty) const {  // ... with a ring slot, which both CTAs' producers refill
+        if (lane == 0) {
+            mbarrier_arrive(empty);
+            mbarrier_arrive_peer(peer_smem + (smem_u32(empty) - smem_u32(&smem)));  // the same barrier in the peer
+        }
+    }
+
+    // A new work tile starts from scratch.
+    __device__ void start_tile() {
+        m_i[0] = m_i[1] = -INFINITY;
+        l_i[0] = l_i[1] = 0.f;
+        for (int i = 0; i < O_BLOCKS * 4; ++i) O_acc[i] = 0.f;
+    }
+    // GEMM block 0: S = Q K^T of K/V tile 0 alone. Tile 0 is the last in the sequence (kv_row): the only one
+    // that may hold fewer than BLOCK_N keys.
+    __device__ void gemm_block_first(int count, int keys) {
+        const int stage = count % STAGES;
+        wait_full(&smem.K_full[stage], count, 0);
+        turn.take(0);
+        wgmma_fence();  // S was last read by ordinary instructions (the previous work tile's softmax)
+        issue_qk(stage);
+        wgmma_commit_group();
+        turn.pass();
+        TRACE_EVENT(TRACE_GEMM_ISSUED, 0);
+        wgmma_wait_group<0>();
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, 0);
+        wgmma_fence_operands(S_acc);
+        release_kv(&smem.K_empty[stage]);
+        if (keys < BLOCK_N) mask_past_seqlen_k(keys);
+        {
+            TRACE_SPAN(TRACE_SOFTMAX_BEGIN, 0);
+            softmax();
+        }
+        TRACE_SPAN(TRACE_RESCALE_BEGIN, 0);
+        rescale_o_and_make_p();
+    }
+    // GEMM blocks 1 .. n-1: S = Q K^T of tile j FIRST, then O += P V of tile j-1, as two commit groups. The
+    // softmax of tile j needs only the first: it starts as soon as S is done (wait_group 1) and runs while the
+    // tensor cores still work on this warpgroup's own P V (and then on the other consumer's block).
+    __device__ void gemm_block_steady(int count, int kv_tile) {
+        const int stage = count % STAGES, prev_stage = (count - 1) % STAGES;
+        wait_full(&smem.K_full[stage], count, kv_tile);
+        turn.take(kv_tile);
+        wgmma_fence();  // O (rescaled), P and S were last touched by ordinary instructions
+        issue_qk(stage);
+        wgmma_commit_group();
+        wait_full(&smem.V_full[prev_stage], count - 1, kv_tile);
+        wgmma_fence();
+        issue_pv(prev_stage);
+        wgmma_commit_group();
+        turn.pass();
+        TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
+        TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
+        wgmma_wait_group<1>();        // S is complete (P V may still run)...
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL_BUT_1, kv_tile);
+        wgmma_fence_operands(S_acc);  // ...and the compiler may not read S any earlier
+        release_kv(&smem.K_empty[stage]);
+        {
+            TRACE_SPAN(TRACE_SOFTMAX_BEGIN, kv_tile);
+            softmax_max();
+            softmax_exp(0, m_i[0] * scale_log2);
+            smem.pin[threadIdx.x - WARPGROUP_THREADS] = l_i[0];  // a store of row 0's sum: above the fence
+            keep_work_before_wait();
+        }
+        wgmma_wait_group<0>();        // P V is complete: O and P are free again
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
+        wgmma_fence_operands(O_acc);
+        release_kv(&smem.V_empty[prev_stage]);
+        make_p(0);
+        softmax_exp(1, fmaf(O_acc[0], 0.f, m_i[1] * scale_log2));
+        make_p(1);
+        rescale_o();
+    }
+    // GEMM block n: O += P V of the last tile alone. Consumer 1 hands no turn over after it: consumer 0 has no
+    // block left in this work tile, and takes the next tile's first turn from consumer 1's opening arrival.
+    __device__ void gemm_block_last(int count, int kv_tile) {
+        const int stage = count % STAGES;
+        wait_full(&smem.V_full[stage], count, kv_tile);
+        turn.take(kv_tile);
+        wgmma_fence();
+        issue_pv(stage);
+        wgmma_commit_group();
+        if (index == 0) turn.pass();
+        TRACE_EVENT(TRACE_GEMM_ISSUED, kv_tile);
+        wgmma_wait_group<0>();
+        TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
+        wgmma_fence_operands(O_acc);
+        release_kv(&smem.V_empty[stage]);
+    }
+
+    // The epilogue through shared memory: the normalized O goes into this warpgroup's output tile in TMA's
+    // swizzled layout, and one thread stores it with two bulk tensor copies (one per 64-column half), which
+    // run on while the warpgroup starts its next work tile; TMA leaves out rows past seqlen_q. Before the
+    // tile is overwritten, the previous tile's store must have read it. LSE goes straight to global memory.
+    __device__ void epilogue(const WorkTile& w, const CUtensorMap& O_map, int t) {
+        TRACE_SPAN(TRACE_EPILOGUE_BEGIN, t);
+        const int barrier = index == 0 ? EPILOGUE0 : EPILOGUE1;
+        const bool elected = threadIdx.x % WARPGROUP_THREADS == 0;  // the thread that issues the TMA stores
+        __nv_bfloat16* O_tile = smem.V[0] + index * ROWS_PER_WARPGROUP * HEAD_DIM;
+        named_barrier_sync(EPILOGUE_BOTH, NUM_CONSUMERS * WARPGROUP_THREADS);  // both consumers are done reading V
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(l_i[r]);
+            const float inv_l = 1.f / l;
+            const int row = warp * 16 + quad_row + 8 * r;  // in this warpgroup's 64 rows
+            for (int db = 0; db < O_BLOCKS; ++db)
+                *reinterpret_cast<__nv_bfloat162*>(O_tile + swizzle_tma_128b<ROWS_PER_WARPGROUP>(row, db * 8 + 2 * quad_col)) =
+                    __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
+            const int64_t q_row = int64_t(w.q_tile) * BLOCK_M + index * ROWS_PER_WARPGROUP + row;
+            if (quad_col == 0 && q_row < p.seqlen_q)  // rows past seqlen_q (zeros from TMA) are computed, not stored
+                p.lse[(int64_t(w.batch) * p.heads + w.head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
+        }
+        fence_proxy_async_shared_cta();            // this thread's stores are visible to the TMA unit...
+        named_barrier_sync(barrier, WARPGROUP_THREADS);  // ...and so are everyone else's
+        if (elected) {
+            const int row0 = w.q_tile * BLOCK_M + index * ROWS_PER_WARPGROUP;
+            const int head = tma_coord(p.o_stride[1], w.head), batch = tma_coord(p.o_stride[0], w.batch);
+            cp_async_bulk_tensor_4d_shared_to_global(&O_map, 0, row0, head, batch, O_tile);
+            cp_async_bulk_tensor_4d_shared_to_global(&O_map, TMA_HALF_COLS, row0, head, batch, O_tile + ROWS_PER_WARPGROUP * TMA_HALF_COLS);
+            cp_async_bulk_commit_group();
+            cp_async_bulk_wait_group_read<0>();  // the stores have read slot 0: the producer may refill it
+            mbarrier_arrive(&smem.O_free);
+            mbarrier_arrive_peer(mapa(&smem.O_free, cluster_rank() ^ 1));  // the peer's producer multicasts V into slot 0 too
+        }
+    }
+    // The last stores are done before the CTA (and its shared memory) goes.
+    __device__ void finish() const {
+        if (threadIdx.x % WARPGROUP_THREADS == 0) cp_async_bulk_wait_group<0>();
+    }
+};
+
+// A consumer's work: the work tiles of this CTA (the producer walks the same list), each a sequence of GEMM
+// blocks on this consumer's turns. The ring's count runs on across work tiles, as the producer's does.
+__device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUtensorMap& O_map, int index) {
+    MmaWarpgroup wg(smem, p, index);
+    const int num_kv_tiles = ceil_div(p.seqlen_k, BLOCK_N);
+    const int first_tile_keys = p.seqlen_k - (num_kv_tiles - 1) * BLOCK_N;  // 1 .. BLOCK_N: K/V tile 0 is the last
+    int count = 0, iteration = 0;
+    for (int t = blockIdx.x; t < num_work_tiles(p); t += gridDim.x, ++iteration) {
+        const WorkTile w = work_tile(t, p);
+        wg.start_tile();
+        {
+            TRACE_SPAN(TRACE_FULL_WAIT_BEGIN, t);
+            mbarrier_wait_parity(&smem.Q_full, iteration % 2);  // this tile's Q
+        }
+        if (index == 1) wg.turn.pass();  // consumer 0 takes the first turn of every work tile
+        wg.gemm_block_first(count, first_tile_keys);
+        for (int kv_tile = 1; kv_tile < num_kv_tiles; ++kv_tile) wg.gemm_block_steady(count + kv_tile, kv_tile);
+        wg.release(&smem.Q_empty);  // every S = Q K^T of this tile has completed: the producer may load the next Q
+        wg.gemm_block_last(count + num_kv_tiles - 1, num_kv_tiles);
+        count += num_kv_tiles;
+        wg.epilogue(w, O_map, t);
+    }
+    wg.finish();
+}
+
+// The kernel: set up the barriers, then split by warpgroup into the two roles. The tensor maps are
+// kernel parameters (__grid_constant__): the TMA unit reads them from parameter memory. One block per SM;
+// the (threads, 1) launch bound caps registers at kernel entry (168), which setmaxnreg then redistributes.
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NUM_THREADS, 1)
+    attention_fwd_kernel(const FwdParams p, const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
+                         const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap O_map) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+    // One thread initializes the barriers: a full barrier completes on its producer's expect_tx plus the TMA
+    // bytes (1 arrival), an empty barrier on one arrival from every consumer warp.
+    if (threadIdx.x == 0) {
+        mbarrier_init(&smem.Q_full, 1);
+        mbarrier_init(&smem.Q_empty, CONSUMER_WARPS);
+        mbarrier_init(&smem.O_free, CLUSTER * NUM_CONSUMERS);
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&smem.K_full[s], 1), mbarrier_init(&smem.V_full[s], 1);
+            mbarrier_init(&smem.K_empty[s], CLUSTER * CONSUMER_WARPS), mbarrier_init(&smem.V_empty[s], CLUSTER * CONSUMER_WARPS);
+        }
+        fence_mbarrier_init();  // the inits are visible to the TMA unit before the first copy completes on them
+    }
+    cluster_sync_all();  // no thread of either CTA touches a barrier before both CTAs initialized theirs
+
+    // The roles. Each setmaxnreg is executed by a whole warpgroup.
+    const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / WARPGROUP_THREADS, 0);  // warp-uniform: in uniform registers
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            producer_load(smem, p, Q_map, K_map, V_map);
+            cluster_sync_all();
+        }  // the other 127 threads are done
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        consumer_mma(smem, p, O_map, warpgroup - 1);
+        cluster_sync_all();  // the peer's consumers may still arrive on this CTA's barriers
+    }
+}
+
+}  // namespace
+
+// ---- host launcher: grid, block, shared memory, attributes ----
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return 1; }  // any seqlen: TMA fills and clips the last tiles
+FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return 1; }
+FLASHLADDER_EXPORT int flashladder_tile_q() { return BLOCK_M; }  // the work tiles (for tests and tools)
+FLASHLADDER_EXPORT int flashladder_tile_k() { return BLOCK_N; }
+
+FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t stream) {
+    // 192 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
+    cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
+    if (err != cudaSuccess) return err;
+    // The persistent grid: one CTA per SM (or fewer, when there are fewer work tiles). The SM count is read
+    // once per device.
+    constexpr int MAX_DEVICES = 64;
+    static int sm_count[MAX_DEVICES] = {};
+    int device = 0;
+    if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
+    int sms = device < MAX_DEVICES ? sm_count[device] : 0;
+    if (sms == 0) {
+        if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+        if (device < MAX_DEVICES) sm_count[device] = sms;
+    }
+    // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
+    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    const FwdParams& p = *params;
+    CUtensorMap Q_map, K_map, V_map, O_map;  // O: written in boxes of one consumer's 64 rows
+    if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||
+        encode_tile_map(&K_map, p.k, p.k_stride, p.seqlen_k, p.heads, p.batch, BLOCK_N) != CUDA_SUCCESS ||
+        encode_tile_map(&V_map, p.v, p.v_stride, p.seqlen_k, p.heads, p.batch, BLOCK_N) != CUDA_SUCCESS ||
+        encode_tile_map(&O_map, p.o, p.o_stride, p.seqlen_q, p.heads, p.batch, ROWS_PER_WARPGROUP) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;  // a layout the TMA unit cannot describe (the binding's checks should prevent it)
+    const int tiles = num_work_tiles(p);
+    if (ceil_div(p.seqlen_q, BLOCK_M) % 2 != 0) return cudaErrorInvalidValue;  // the variant pairs neighbouring Q tiles
+    const dim3 grid((tiles < sms ? tiles : sms) / 2 * 2);
+    attention_fwd_kernel<<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(p, Q_map, K_map, V_map, O_map);
+    return cudaGetLastError();
+}
