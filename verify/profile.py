@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         shape = ()
     if len(shape) != 3 or min(shape) < 1:
         ap.error(f"--shape takes batch,heads,N, got {args.shape!r}")
-    heads_k = args.heads_k or shape[1]
+    heads_k = shape[1] if args.heads_k is None else args.heads_k
     if heads_k < 1 or shape[1] % heads_k:
         ap.error(f"--heads-k must divide the {shape[1]} heads, got {heads_k}")
     if args.one:

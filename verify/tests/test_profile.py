@@ -44,7 +44,8 @@ def test_the_profiled_call_gets_the_mask_and_the_heads(monkeypatch, tmp_path):
     assert "--heads-k" not in seen[1] and "--causal" not in seen[1]
 
 
-@pytest.mark.parametrize("argv", [["--shape", "2,16,64", "--heads-k", "3"], ["--shape", "2,16"], ["--shape", "2,x,64"],
+@pytest.mark.parametrize("argv", [["--shape", "2,16,64", "--heads-k", "3"], ["--shape", "2,16,64", "--heads-k", "0"],
+                                  ["--shape", "2,16"], ["--shape", "2,x,64"],
                                   ["--causal", "diagonal"]])
 def test_a_bad_request_is_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as e:
