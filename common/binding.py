@@ -635,6 +635,10 @@ def bind_step(module_name: str):
     archs = lib.flashladder_archs().decode().split(",")  # e.g. sm_80,...,sm_120,compute_80 (common/build_step.py)
     # Dynamic shared memory per block, exported by the steps that run on GPUs with less of it than Hopper's 227 KB.
     smem_bytes = lib.flashladder_smem_bytes() if hasattr(lib, "flashladder_smem_bytes") else None
+    # A second tiling for long sequences, exported by the steps that have one (step16): its K/V tile, and the seqlen_k
+    # from which the launcher picks it for calls without a mask and with an even number of Q tiles.
+    long_tile = ((lib.flashladder_long_tile_k(), lib.flashladder_long_min_seqlen_k())
+                 if hasattr(lib, "flashladder_long_tile_k") else (None, None))
     # What the step takes beyond dense attention with equal heads (FEATURE_CAUSAL, FEATURE_GQA).
     features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
     # Said at import, so that it comes before torch's own error at the first CUDA call (e.g. torch.randn(device="cuda")).
@@ -730,7 +734,8 @@ def bind_step(module_name: str):
 
     attention.__module__ = attention_out.__module__ = sdpa.__module__ = module_name
     info = {"step": step, "seqlen_multiple_q": seqlen_multiple[0], "seqlen_multiple_k": seqlen_multiple[1],
-            "tile_q": tile[0], "tile_k": tile[1], "archs": archs, "runs_on": runs_on(archs), "smem_bytes": smem_bytes,
+            "tile_q": tile[0], "tile_k": tile[1], "long_tile_k": long_tile[0], "long_min_seqlen_k": long_tile[1],
+            "archs": archs, "runs_on": runs_on(archs), "smem_bytes": smem_bytes,
             "causal": bool(features & FEATURE_CAUSAL), "gqa": bool(features & FEATURE_GQA),
             "library": lib._name,
             "ptxas_report": (Path(lib._name).parent / "_ptxas.txt").read_text()

@@ -89,7 +89,7 @@ def arch_number(code: str) -> int:
 # The one source of truth for where a step runs. A kernel.cu names its row with FLASHLADDER_TARGETS(<name>);.
 TARGETS = {t.name: t for t in (
     # wgmma, TMA, setmaxnreg: instructions of sm_90a, the "a" (architecture-specific) target, whose SASS runs on
-    # sm_90 GPUs (H100, H200) alone; no PTX, since no other GPU could run it. Steps 08-15, and the default.
+    # sm_90 GPUs (H100, H200) alone; no PTX, since no other GPU could run it. Steps 08-16, and the default.
     Targets("sm90a_only", (("compute_90a", ("sm_90a",)),)),
     # mma.sync, ldmatrix, cp.async: PTX of sm_80, which every GPU since Ampere runs. One compute_80 PTX is compiled
     # ahead into the SASS of A100 (sm_80), RTX 30xx (sm_86), RTX 40xx / L4 / L40 (sm_89), RTX 50xx (sm_120), and

@@ -56,3 +56,29 @@ __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t par
     while (!mbarrier_try_wait_parity(bar, parity)) {
     }
 }
+
+// ---- thread-block clusters (sm_90): CTAs on neighbouring SMs that see each other's shared memory ----
+// This CTA's rank in its cluster (0 .. cluster size - 1). PTX ISA: "Special Registers: %cluster_ctarank".
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+// The address, in the cluster's shared-memory window, of the object at `p` in the CTA of rank `rank`.
+// PTX ISA: "Data Movement and Conversion Instructions: mapa".
+__device__ __forceinline__ uint32_t mapa_shared_cluster(const void* p, uint32_t rank) {
+    uint32_t addr;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(addr) : "r"(smem_u32(p)), "r"(rank));
+    return addr;
+}
+// Arrive once on a barrier of another CTA of the cluster (its address from mapa_shared_cluster).
+// PTX ISA: "mbarrier.arrive" (.shared::cluster).
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t cluster_addr) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" :: "r"(cluster_addr) : "memory");
+}
+// Every thread of the cluster that has not exited arrives and waits: the cluster-wide __syncthreads (release and
+// acquire: shared-memory writes before it, mbarrier inits included, are seen after it by every CTA). Not .aligned:
+// it may sit on divergent paths. PTX ISA: "Parallel Synchronization and Communication Instructions: barrier.cluster".
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}

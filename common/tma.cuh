@@ -26,6 +26,20 @@ __device__ __forceinline__ void cp_async_bulk_tensor_4d_global_to_shared(void* d
                  : "memory");
 }
 
+// The same copy, multicast: the box lands at the same shared-memory offset `dst` in every CTA of the cluster named
+// in `cta_mask` (bit r: the CTA of rank r), and completes on the barrier at offset `bar` in each of them. One load
+// from L2 feeds them all (step16: two CTAs that read the same K/V tiles). PTX ISA: "cp.async.bulk.tensor"
+// (.multicast::cluster).
+__device__ __forceinline__ void cp_async_bulk_tensor_4d_global_to_shared_multicast(void* dst, const CUtensorMap* map, int c0,
+                                                                                    int c1, int c2, int c3, uint64_t* bar,
+                                                                                    uint16_t cta_mask) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
+                 :: "r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                    "r"(smem_u32(bar)), "h"(cta_mask)
+                 : "memory");
+}
+
 // Fetch the tensor map into the TMA unit's cache before the first copy needs it.
 // PTX ISA: "Data Movement and Conversion Instructions: prefetch" (prefetch.tensormap).
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {

@@ -15,6 +15,7 @@ cannot be checked is not a claim that holds.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import os
@@ -72,10 +73,36 @@ class Claim:
                 out.append(f"not {at_least} {what}: " + ("no such stretch" if most is None else f"at most {most}"))
         if self.chain:
             what, start, end, inner, at_most = self.chain
-            longest = max(longest_chains(sass, start, end, inner), default=None)
-            if longest is None or longest > at_most:
-                out.append(f"not {what}: " + ("no such stretch" if longest is None else f"a chain of {longest}"))
+            if at_most == "row_max_chain_limit":  # per function, from the width of its K/V tile
+                found = False
+                for function, code in functions_of(sass).items():
+                    chains = longest_chains(code, start, end, inner)
+                    found |= bool(chains)
+                    if chains and max(chains) > row_max_chain_limit(code):
+                        out.append(f"not {what}: a chain of {max(chains)} in {function} (at most {row_max_chain_limit(code)})")
+                if not found:
+                    out.append(f"not {what}: no such stretch")
+            else:
+                longest = max(longest_chains(sass, start, end, inner), default=None)
+                if longest is None or longest > at_most:
+                    out.append(f"not {what}: " + ("no such stretch" if longest is None else f"a chain of {longest}"))
         return out
+
+
+def functions_of(sass: list[Instruction]) -> dict[str, list[Instruction]]:
+    out: dict[str, list[Instruction]] = {}
+    for i in sass:
+        out.setdefault(i.function, []).append(i)
+    return out
+
+
+def row_max_chain_limit(code: list[Instruction]) -> int:
+    """The longest FMNMX chain a row max in four chains may have in a function: ceil(blocks / 4) per chain, two to join
+    the four, two after the quad's shuffles, where blocks = the widest wgmma's N / 8 (the K/V tile's keys; 128 without
+    a wgmma): 8 at 128 keys, 10 at 176."""
+    widths = [int(m.group(1)) for i in code if (m := re.match(r"HGMMA\.64x(\d+)x16", i.text))]
+    blocks = max(widths, default=128) // 8
+    return -(-blocks // 4) + 4
 
 
 def stretches(sass, start: str, end: str) -> list[list[Instruction]]:
@@ -164,11 +191,12 @@ CLAIMS = [
                    "wait_group 0: they run while P V is in flight, not after it (without the fence, ptxas puts none there)",
                    r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", r"MUFU\.EX2\b", 64)),
     # 8 = four chains of four FMNMX per row, two more to join them, two after the quad's shuffles. One chain over a
-    # row's 16 key blocks is 19.
+    # row's 16 key blocks is 19. A kernel with wider K/V tiles (step16's 176 keys: 22 blocks of 8) is allowed the
+    # longer chains of the same four: six FMNMX each, 10 in all (row_max_chain_limit).
     Claim("short_row_max", 13, None,
           chain=("a row max in short chains: between each wgmma wait and the next MUFU.EX2, no chain of dependent FMNMX "
-                 "longer than 8 (the exponentials wait for it)",
-                 r"WARPGROUP\.DEPBAR\.LE\s+gsb0", r"MUFU\.EX2\b", r"FMNMX\b", 8)),
+                 "longer than 8 at 128 keys per tile (the exponentials wait for it)",
+                 r"WARPGROUP\.DEPBAR\.LE\s+gsb0", r"MUFU\.EX2\b", r"FMNMX\b", "row_max_chain_limit")),
     Claim("tma_store", 14, None, present={"UTMASTG (cp.async.bulk.tensor shared -> global: the epilogue)": r"UTMASTG\b"}),
     Claim("no_local_memory", 1, None, absent={"LDL (a load from local memory)": r"LDL\b",
                                               "STL (a store to local memory)": r"STL\b"},
@@ -453,7 +481,15 @@ def test_longest_chains_follows_the_registers():
     long = [Instruction("k", "0000", "WARPGROUP.DEPBAR.LE gsb0, 0x1")]
     long += [Instruction("k", f"{i:04x}", "FMNMX R1, R1, R2, !PT") for i in range(1, 10)]
     long += [Instruction("k", "000a", "MUFU.EX2 R3, R1")]
-    assert claim.problems(long) == [f"not {claim.chain[0]}: a chain of 9"]
+    assert claim.problems(long) == [f"not {claim.chain[0]}: a chain of 9 in k (at most 8)"]
+    # A function whose wgmma is 176 wide may have chains of 10, not 11.
+    wide = [Instruction("w", "0000", "HGMMA.64x176x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0")]
+    wide += [Instruction("w", f"{i:04x}", "WARPGROUP.DEPBAR.LE gsb0, 0x1") for i in range(1, 2)]
+    wide += [Instruction("w", f"{i:04x}", "FMNMX R1, R1, R2, !PT") for i in range(2, 12)]
+    wide += [Instruction("w", "000c", "MUFU.EX2 R3, R1")]
+    assert row_max_chain_limit(wide) == 10 and claim.problems(wide) == []
+    wide.insert(2, Instruction("w", "0001", "FMNMX R1, R1, R2, !PT"))
+    assert claim.problems(wide) == [f"not {claim.chain[0]}: a chain of 11 in w (at most 10)"]
 
 
 def test_sass_parser_reads_each_architectures_section():
@@ -507,3 +543,21 @@ Fatbin elf code:
 arch = sm_90a
 """
     assert parse_ptx(text) == {"sm_80": ".version 9.0\n.target sm_80\n.entry k()\n{\n}\n"}
+
+
+@pytest.mark.parametrize("later, before", [("step16", "step15")])
+def test_the_short_tiling_is_the_step_before(later, before, cuobjdump):
+    """step16's header says every call outside its long tiling runs step15's kernel: attention_fwd_kernel<false> compiles
+    to step15's kernel, opcode for opcode (ptxas schedules and allocates registers its own way: the order and the
+    registers may differ, the counts of each opcode by at most the few moves it needs), and <true> is another code."""
+    if not {later, before} <= set(steps_mod.all_steps()):
+        pytest.skip(f"{later} or {before} not in this tree")
+    steps_mod.build([before, later], log=lambda *_: None)
+    funcs = {s: functions_of(sass_of(cuobjdump, kernel_so(s), "sm_90a")) for s in (before, later)}
+    opcodes = {name: collections.Counter(i.text.split()[0] for i in code) for s in funcs for name, code in funcs[s].items()}
+    old = next(opcodes[n] for n in funcs[before] if "attention_fwd_kernel" in n)
+    short = next(opcodes[n] for n in funcs[later] if "attention_fwd_kernelILb0E" in n)
+    long = next(opcodes[n] for n in funcs[later] if "attention_fwd_kernelILb1E" in n)
+    apart = sum(((short - old) + (old - short)).values())
+    assert apart <= 6, f"{later}'s short tiling differs from {before} in {apart} opcodes: {(short - old) + (old - short)}"
+    assert sum(((long - old) + (old - long)).values()) > 100  # the test tells two different kernels apart

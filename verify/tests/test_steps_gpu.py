@@ -494,3 +494,73 @@ def test_causal_grouped_under_torch_compile_and_in_a_cuda_graph(mod):
     torch.cuda.synchronize()
     o_new, lse_new = mod.attention(q, k, v, causal="top_left")
     assert torch.equal(o, o_new) and torch.equal(lse, lse_new), f"the replayed graph did not recompute; {replay()}"
+
+
+# A step with a second tiling for long sequences (info["long_tile_k"]: step16's 128 x 176 tiles in CTA pairs, taken from
+# info["long_min_seqlen_k"] keys on, without a mask, with an even number of Q tiles). (batch, heads, heads_k, seqlen_q,
+# keys past that threshold, the tiling the launcher should pick):
+LONG_SHAPES = [
+    (1, 2, 2, 256, 0, True),      # the shortest call that takes it: one CTA pair, the last K/V tile partial
+    (2, 3, 3, 250, 1, True),      # one key into a further tile; the pair's second Q tile partial
+    (1, 18, 18, 1024, 0, True),   # 144 work tiles: 12 of the 66 pairs take two, the ring's phases run across work tiles
+    (2, 2, 2, 1000, 24568, True),  # 32760 keys, a video model's sequence; 8 Q tiles per head, the last partial
+    (1, 8, 2, 256, 0, True),      # grouped heads: the pair reads the one K/V head of its query head
+    (1, 2, 2, 384, 0, False),     # three Q tiles: an odd count, so the short tiling (pairs need whole pairs)
+    (1, 2, 2, 256, -1, False),    # one key short of the threshold: the short tiling
+]
+
+
+def needs_long_tiling(mod):
+    if mod.info["long_tile_k"] is None:
+        pytest.skip(f"{mod.info['step']} has one tiling (info['long_tile_k'] is None)")
+
+
+def long_shape(mod, shape):
+    batch, heads, heads_k, nq, past, _ = shape
+    return batch, heads, heads_k, nq, mod.info["long_min_seqlen_k"] + past
+
+
+@pytest.mark.parametrize("factor", [1.0, 10.0], ids=["x1", "x10"])
+@pytest.mark.parametrize("shape", LONG_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + ("-long" if s[5] else "-short"))
+def test_long_tiling(mod, shape, factor):
+    needs_long_tiling(mod)
+    batch, heads, heads_k, nq, nk = long_shape(mod, shape)
+    if heads_k != heads:
+        needs_gqa(mod)
+    case = random_case(batch, heads, nq, nk, factor, heads_k=None if heads_k == heads else heads_k)
+    assert_passes(mod, check(mod, case), case.label)
+
+
+def launched_kernels(fn) -> list[str]:
+    """The names of the CUDA kernels that fn() launches, as torch's profiler records them."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("shape", LONG_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + ("-long" if s[5] else "-short"))
+def test_the_launcher_picks_the_tiling_the_shape_calls_for(mod, shape):
+    """The long tests above test the long tiling only if the launcher takes it there: the kernel's name says which
+    (attention_fwd_kernel<true>: LONG), and causal calls never take it."""
+    needs_long_tiling(mod)
+    batch, heads, heads_k, nq, nk = long_shape(mod, shape)
+    q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k)
+    for causal, want in ((False, shape[5]), ("top_left", False), ("bottom_right", False)):
+        if causal and not mod.info["causal"]:
+            continue
+        names = [n for n in launched_kernels(lambda: mod.attention(q, k, v, causal=causal)) if "attention_fwd_kernel" in n]
+        assert len(names) == 1, names
+        assert ("<true>" in names[0]) == want, f"{'x'.join(map(str, (batch, heads, nq, nk)))} causal {causal}: {names[0]}"
+
+
+def test_long_tiling_is_deterministic(mod):
+    """Two calls at the long tiling bitwise equal: the pair's shared ring (each CTA's slots filled by both producers,
+    emptied by both CTAs' consumers) and O staged in V's slot are where a race would show."""
+    needs_long_tiling(mod)
+    q, k, v = make_inputs(1, 18, 1024, mod.info["long_min_seqlen_k"] + 1000)
+    o1, lse1 = run_poisoned(mod, q, k, v)
+    o2, lse2 = run_poisoned(mod, q, k, v)
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2), f"two calls differ: a race? {replay()}"
