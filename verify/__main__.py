@@ -12,7 +12,7 @@ Runs without nox (the GPU machine has no network). What it lacks here (torch, th
 it says first, in one line, before building anything. The checks of each step run in a process of their own
 with a time limit (--check-timeout): a kernel that hangs (a wrong mbarrier phase never completes) fails its
 step, the process is killed, and the run goes on with the next step; a step that failed is not benchmarked.
-A step that the GPU here cannot run (steps 08-15 need an sm_90 GPU; steps 01-07 run on any GPU since sm_80) is
+A step that the GPU here cannot run (steps 08-16 need an sm_90 GPU; steps 01-07 run on any GPU since sm_80) is
 said so, in one line, and neither checked nor benchmarked.
 Writes results/<gpu>/<timestamp>.json and .png, regenerates the README table after a full run, and prints a
 short table last.
