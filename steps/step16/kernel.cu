@@ -91,8 +91,6 @@ struct Tiling {
 // many keys (behind at 4K keys, ahead at 8K: the header's WHY).
 constexpr int LONG_MIN_SEQLEN_K = 8192;
 
-// Shared memory. The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the
-// address bits 4-9, and the wgmma descriptors (base offset 0) assume the atoms start on 1024 bytes.
 // What one tiling alone keeps. SHORT: each consumer's output tile, [2 halves, 64, 64]. LONG has no room for it: Q
 // (32 KB) and two slots of K and V (4 x 44 KB) take 208 KB of the 227 KB a block may have, so O goes into V's slot 0.
 template <bool LONG>
@@ -104,6 +102,8 @@ struct TilingStorage<true> {
     float sums[NUM_CONSUMERS * WARPGROUP_THREADS];  // row 0's sums, stored to keep its exponentials before a wait
     uint64_t O_free;                                // the output stores of both CTAs have read V's slot 0
 };
+// Shared memory. The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the
+// address bits 4-9, and the wgmma descriptors (base offset 0) assume the atoms start on 1024 bytes.
 template <bool LONG>
 struct alignas(1024) SharedStorage {
     static constexpr int BLOCK_N = Tiling<LONG>::BLOCK_N;
@@ -348,8 +348,9 @@ struct MmaWarpgroup {
     }
     // The softmax's first half, on S alone (it runs while this warpgroup's P V may still read P and write O):
     // the online-softmax update of this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8) -- the new
-    // max, the probabilities in place, the row sums -- and each row's rescale factor alpha. MASKED: a row may have
-    // no key left in this tile (max -inf), nor before it: its shift stays 0 rather than -inf (2^(-inf + inf) is NaN).
+    // max and each row's rescale factor alpha (softmax_max), then the probabilities in place and the row sums
+    // (softmax_exp, a row at a time: LONG splits the two rows around a wait). MASKED: a row may have no key left in
+    // this tile (max -inf), nor before it: its shift stays 0 rather than -inf (2^(-inf + inf) is NaN).
     template <bool MASKED>
     __device__ void softmax_max() {
         // Both rows' maxima first, each in four independent chains (fmax is exact in any order), then both
@@ -390,8 +391,8 @@ struct MmaWarpgroup {
         softmax_exp(1, shift<MASKED>(1));
     }
     // The second half, once the previous P V is complete: rescale O (skipped when no row of the warp moved
-    // its shift, a warp-uniform branch: after the first few tiles of a row the common case), and P for the
-    // next block (two neighbouring 8-key blocks of S, rounded to bf16).
+    // its shift, a warp-uniform branch: after the first few tiles of a row the common case), and make P for the
+    // next block (two neighbouring 8-key blocks of S, rounded to bf16), a row at a time.
     __device__ void rescale_o() {
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
             for (int db = 0; db < O_BLOCKS; ++db) {
@@ -666,7 +667,7 @@ namespace {
 // fewer when there are fewer turns (work tiles, or causal pairs); LONG: an even count, in clusters of two.
 template <bool LONG>
 cudaError_t launch(const FwdParams& p, int sms, cudaStream_t stream) {
-    // 193 (214) KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
+    // 193 KB (LONG: 210 KB) of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
     cudaError_t err = raise_smem_limit_once<attention_fwd_kernel<LONG>>(SMEM_BYTES<LONG>);
     if (err != cudaSuccess) return err;
     // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
