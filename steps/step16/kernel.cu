@@ -483,13 +483,18 @@ struct MmaWarpgroup {
         release_kv(&smem.K_empty[stage]);
         if (MASKED) mask(kv_row, q_row);
         if constexpr (LONG) {
-            softmax_max<MASKED>();
-            softmax_exp(0, shift<MASKED>(0));  // under the tensor cores' P V, kept there by a store of its sums
-            smem.only.sums[threadIdx.x - WARPGROUP_THREADS] = l_i[0];  // (a store may not sink below the fence)
-            keep_work_before_wait();
+            {
+                TRACE_SPAN(TRACE_SOFTMAX_BEGIN, kv_tile);
+                softmax_max<MASKED>();
+                softmax_exp(0, shift<MASKED>(0));  // under the tensor cores' P V, kept there by a store of its sums
+                smem.only.sums[threadIdx.x - WARPGROUP_THREADS] = l_i[0];  // (a store may not sink below the fence)
+                keep_work_before_wait();
+            }
             wgmma_wait_group<0>();
+            TRACE_EVENT(TRACE_GEMM_WAITED_ALL, kv_tile);
             wgmma_fence_operands(O_acc);
             release_kv(&smem.V_empty[prev_stage]);
+            TRACE_SPAN(TRACE_RESCALE_BEGIN, kv_tile);
             make_p(0);
             // Row 1's exponentials after the wait: their shift depends on O (x * 0 + shift, which ptxas cannot fold)
             softmax_exp(1, fmaf(O_acc[0], 0.f, shift<MASKED>(1)));
