@@ -486,3 +486,11 @@ def test_trace_recorded_on_the_gpu(traced_step, built, trace_built, tmp_path):
     trace.draw(tl, (2, 4), window, summary, tmp_path / f"{traced_step}.png")
     assert 0 < summary["gemm_in_flight_share"] <= 1
     assert summary["us_per_work_tile_untraced"] > 0 and summary["us_per_work_tile_traced"] > 0
+
+
+def test_the_kv_tile_count_follows_the_tiling_the_launcher_takes():
+    """A trace of step16 at 8K keys or more runs its 176-key tiles: the K/V tile count says so."""
+    info = {"tile_q": 128, "tile_k": 128, "long_tile_k": 176, "long_min_seqlen_k": 8192}
+    assert trace.kv_tile_of(info, 8192) == 176 and trace.kv_tile_of(info, 8191) == 128
+    assert trace.kv_tile_of(info, 8192 + 128) == 128  # 65 Q tiles: an odd count, the short tiling
+    assert trace.kv_tile_of({"tile_q": 128, "tile_k": 128, "long_tile_k": None, "long_min_seqlen_k": None}, 16384) == 128
