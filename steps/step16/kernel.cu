@@ -43,8 +43,9 @@
 // ON THE WAY (results/h200/2026-12-02-step16/ab-step16.log, interleaved windows beside step15 and FlashAttention-3,
 //   with the short tiling then built with LONG's descriptors and index): 1.016 / 1.022 / 1.027x step15 at 8K / 16K /
 //   video, but 0.991 / 0.992x at 2K / 4K; so the short tiling went back to step15's code, which the record run used.
-//   The new checks (test_long_tiling and the launcher's choice) fail on a build whose producers both load the same
-//   half (results/h200/2026-12-02-step16/broken-long.log); compute-sanitizer found no error and no race at 1 x 2 x
+//   The new checks fail on broken builds: the long tiling's on one whose producers both load the same half
+//   (results/h200/2026-12-02-step16/broken-long.log), the launcher's choice on one whose threshold is a key off
+//   (results/h200/2026-12-02-step16/broken-launcher.log); compute-sanitizer found no error and no race at 1 x 2 x
 //   256 x 8192 (results/h200/2026-12-02T00-08-22Z-logs/sanitizer_16.txt).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
