@@ -107,6 +107,10 @@ NVCC_FLAGS = [
     "-Xptxas", "-v",                                         # the resource report, kept as _ptxas.txt
     "-Xptxas", "-warn-spills",
     "--threads", "0",  # one architecture's cicc/ptxas beside the next (as many at once as there are CPUs)
+    # No device-link step: a step is one translation unit without -rdc, so nvlink has nothing to link, and under
+    # --threads its run for each architecture writes the same temporary registration file, a race that CI hit
+    # ("nvlink fatal: Could not read file ..._dlink.reg.c").
+    "-nodlink",
 ]
 MIN_NVCC = (12, 8)
 DECLARATION = re.compile(r"^[ \t]*FLASHLADDER_TARGETS\([ \t]*(\w*)[ \t]*\)[ \t]*;", re.M)

@@ -157,3 +157,17 @@ def test_ptxas_report_groups_lines_by_architecture():
     assert {a: (r["registers"], r["spill_stores"]) for a, ks in parsed.items() for r in ks.values()} == \
         {"sm_80": (200, 0), "sm_90a": (255, 0), "sm_120": (255, 16)}
     assert parsed == build_step.parse_ptxas(output), "the grouped report and nvcc's output read the same"
+
+
+def test_the_build_runs_no_device_link(tmp_path):
+    """nvcc's plan for a step with several architectures (nvcc --dryrun, the build's own flags) has no nvlink run: a
+    device link of a one-file, non-rdc build links nothing, and under --threads each architecture's nvlink writes the
+    same temporary registration file (a race: "nvlink fatal: Could not read file ..._dlink.reg.c")."""
+    portable = build_step.TARGETS["sm80_and_later"]
+    cmd = [build_step.find_nvcc(), "--dryrun", *build_step.NVCC_FLAGS, *build_step.target_flags(portable),
+           f"-I{build_step.COMMON}", str(build_step.ROOT / "steps" / "step01" / "kernel.cu"), "-o", str(tmp_path / "k.so")]
+    plan = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    steps = [line for line in (plan.stdout + plan.stderr).splitlines() if line.startswith("#$ ")]
+    assert any(line.split()[1] == "ptxas" for line in steps), "not nvcc's plan: no ptxas in it"
+    linked = [line[:160] for line in steps if line.split()[1] == "nvlink"]
+    assert not linked, "nvcc runs a device link for each architecture:\n" + "\n".join(linked)
