@@ -4,27 +4,24 @@ where its MUFU.EX2 sit against the two wgmma waits (WARPGROUP.DEPBAR.LE gsb0, 0x
 
     python sass_loop.py NAME=path/to/_kernel.so[:function-substring] ...
 
-cuobjdump comes from $CUOBJDUMP, else PATH, else the nvidia-cuda-cuobjdump wheel of this Python.
+cuobjdump is found as verify/tests/test_sass.py finds it (PATH, CUDA_HOME, beside nvcc, the nvidia-cuda-cuobjdump
+wheel); run from anywhere, the repository is found from this file's place.
 """
 import collections
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository, for verify
+from verify.tests.test_sass import find_cuobjdump  # noqa: E402
+
 
 def cuobjdump() -> str:
-    if os.environ.get("CUOBJDUMP"):
-        return os.environ["CUOBJDUMP"]
-    if shutil.which("cuobjdump"):
-        return shutil.which("cuobjdump")
-    import nvidia  # the nvidia-cuda-cuobjdump wheel
-    for base in nvidia.__path__:
-        for found in Path(base).glob("cu*/bin/cuobjdump"):
-            return str(found)
-    raise SystemExit("cuobjdump not found: set CUOBJDUMP, or pip install nvidia-cuda-cuobjdump")
+    tool = find_cuobjdump()
+    if tool is None:
+        raise SystemExit("cuobjdump not found: pip install nvidia-cuda-cuobjdump, or install the CUDA toolkit's")
+    return tool
 
 
 def functions(path):
