@@ -639,6 +639,8 @@ def bind_step(module_name: str):
     # from which the launcher picks it for calls without a mask and with an even number of Q tiles.
     long_tile = ((lib.flashladder_long_tile_k(), lib.flashladder_long_min_seqlen_k())
                  if hasattr(lib, "flashladder_long_tile_k") else (None, None))
+    # Whether causal calls take it too (step17: with causal_offset >= 0 and whole quadruples of Q tiles per head).
+    long_causal = bool(lib.flashladder_long_causal()) if hasattr(lib, "flashladder_long_causal") else False
     # What the step takes beyond dense attention with equal heads (FEATURE_CAUSAL, FEATURE_GQA).
     features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
     # Said at import, so that it comes before torch's own error at the first CUDA call (e.g. torch.randn(device="cuda")).
@@ -735,6 +737,7 @@ def bind_step(module_name: str):
     attention.__module__ = attention_out.__module__ = sdpa.__module__ = module_name
     info = {"step": step, "seqlen_multiple_q": seqlen_multiple[0], "seqlen_multiple_k": seqlen_multiple[1],
             "tile_q": tile[0], "tile_k": tile[1], "long_tile_k": long_tile[0], "long_min_seqlen_k": long_tile[1],
+            "long_causal": long_causal,
             "archs": archs, "runs_on": runs_on(archs), "smem_bytes": smem_bytes,
             "causal": bool(features & FEATURE_CAUSAL), "gqa": bool(features & FEATURE_GQA),
             "library": lib._name,

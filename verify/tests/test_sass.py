@@ -545,9 +545,9 @@ arch = sm_90a
     assert parse_ptx(text) == {"sm_80": ".version 9.0\n.target sm_80\n.entry k()\n{\n}\n"}
 
 
-@pytest.mark.parametrize("later, before", [("step16", "step15")])
+@pytest.mark.parametrize("later, before", [("step16", "step15"), ("step17", "step15")])
 def test_the_short_tiling_is_the_step_before(later, before, cuobjdump):
-    """step16's header says every call outside its long tiling runs step15's kernel: attention_fwd_kernel<false> compiles
+    """The headers of step16 and step17 say every call outside their long tiling runs step15's kernel: attention_fwd_kernel<false> compiles
     to step15's kernel, opcode for opcode (ptxas schedules and allocates registers its own way: the order and the
     registers may differ, the counts of each opcode by at most the few moves it needs), and <true> is another code."""
     if not {later, before} <= set(steps_mod.all_steps()):

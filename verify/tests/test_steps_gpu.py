@@ -496,9 +496,10 @@ def test_causal_grouped_under_torch_compile_and_in_a_cuda_graph(mod):
     assert torch.equal(o, o_new) and torch.equal(lse, lse_new), f"the replayed graph did not recompute; {replay()}"
 
 
-# A step with a second tiling for long sequences (info["long_tile_k"]: step16's 128 x 176 tiles in CTA pairs, taken from
-# info["long_min_seqlen_k"] keys on, without a mask, with an even number of Q tiles). (batch, heads, heads_k, seqlen_q,
-# keys past that threshold, the tiling the launcher should pick):
+# A step with a second tiling for long sequences (info["long_tile_k"]: step16's 128 x 176 tiles in CTA pairs, step17's
+# 128 x 128, taken from info["long_min_seqlen_k"] keys on, with an even number of Q tiles; without a mask, or, where
+# info["long_causal"], causal with the diagonal at or right of the top-left one and a multiple of 4 Q tiles per head).
+# (batch, heads, heads_k, seqlen_q, keys past that threshold, the tiling the launcher should pick without a mask):
 LONG_SHAPES = [
     (1, 2, 2, 256, 0, True),      # the shortest call that takes it: one CTA pair, the last K/V tile partial
     (2, 3, 3, 250, 1, True),      # one key into a further tile; the pair's second Q tile partial
@@ -541,14 +542,53 @@ def launched_kernels(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-@pytest.mark.parametrize("shape", LONG_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + ("-long" if s[5] else "-short"))
+# Causal calls in CTA pairs (info["long_causal"]): (batch, heads, heads_k, seqlen_q, keys past the threshold). Top left
+# and bottom right (seqlen_k > seqlen_q: the diagonal right of top left's), the lower Q tile of each pair passing over
+# the K/V tiles that only the higher one sees.
+LONG_CAUSAL_SHAPES = [
+    (1, 2, 2, 512, 0),      # one quadruple of Q tiles: one CTA pair, two turns
+    (2, 3, 3, 1000, 1),     # 8 Q tiles, the last partial; one key into a further K/V tile
+    (1, 40, 40, 1024, 0),   # 160 turns on 132 CTAs: some pairs take two, the ring's phases run across work tiles
+    (1, 8, 2, 512, 0),      # grouped heads
+    (1, 4, 4, 4096, 0),     # square (top left and bottom right the same diagonal): a language model's prefill
+]
+
+
+def long_causal_shape(mod, shape):
+    batch, heads, heads_k, nq, past = shape
+    return batch, heads, heads_k, nq, mod.info["long_min_seqlen_k"] + past
+
+
+@pytest.mark.parametrize("alignment", ALIGNMENTS)
+@pytest.mark.parametrize("shape", LONG_CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_long_tiling_causal(mod, shape, alignment):
+    needs_long_tiling(mod)
+    if not mod.info["long_causal"]:
+        pytest.skip(f"{mod.info['step']}'s causal calls keep the short tiling (info['long_causal'] is False)")
+    batch, heads, heads_k, nq, nk = long_causal_shape(mod, shape)
+    if heads_k != heads:
+        needs_gqa(mod)
+    case = random_case(batch, heads, nq, nk, 1.0, alignment, heads_k=None if heads_k == heads else heads_k)
+    assert_passes(mod, check(mod, case), case.label)
+
+
+def causal_takes_long_tiling(mod, nq, nk, alignment) -> bool:
+    """The launcher's rule for causal calls (the step's flashladder_fwd): the long tiling where info["long_causal"],
+    from info["long_min_seqlen_k"] keys, with the diagonal at or right of the top-left one and 4k Q tiles per head."""
+    q_tiles = -(-nq // mod.info["tile_q"])
+    offset = 0 if alignment == "top_left" else nk - nq
+    return mod.info["long_causal"] and nk >= mod.info["long_min_seqlen_k"] and offset >= 0 and q_tiles % 4 == 0
+
+
+@pytest.mark.parametrize("shape", LONG_SHAPES + [(*s, True) for s in LONG_CAUSAL_SHAPES],
+                         ids=lambda s: "x".join(map(str, s[:5])) + ("-long" if s[5] else "-short"))
 def test_the_launcher_picks_the_tiling_the_shape_calls_for(mod, shape):
     """The long tests above test the long tiling only if the launcher takes it there: the kernel's name says which
-    (attention_fwd_kernel<true>: LONG), and causal calls never take it."""
+    (attention_fwd_kernel<true>: LONG). Causal calls take it only on a step with info["long_causal"], by its rule."""
     needs_long_tiling(mod)
     batch, heads, heads_k, nq, nk = long_shape(mod, shape)
     q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k)
-    for causal, want in ((False, shape[5]), ("top_left", False), ("bottom_right", False)):
+    for causal, want in ((False, shape[5]), *((a, causal_takes_long_tiling(mod, nq, nk, a)) for a in ALIGNMENTS)):
         if causal and not mod.info["causal"]:
             continue
         names = [n for n in launched_kernels(lambda: mod.attention(q, k, v, causal=causal)) if "attention_fwd_kernel" in n]
@@ -561,6 +601,7 @@ def test_long_tiling_is_deterministic(mod):
     emptied by both CTAs' consumers) and O staged in V's slot are where a race would show."""
     needs_long_tiling(mod)
     q, k, v = make_inputs(1, 18, 1024, mod.info["long_min_seqlen_k"] + 1000)
-    o1, lse1 = run_poisoned(mod, q, k, v)
-    o2, lse2 = run_poisoned(mod, q, k, v)
-    assert torch.equal(o1, o2) and torch.equal(lse1, lse2), f"two calls differ: a race? {replay()}"
+    for causal in (False, "top_left") if mod.info["long_causal"] else (False,):  # causal: the pass-overs too
+        o1, lse1 = run_poisoned(mod, q, k, v, causal=causal)
+        o2, lse2 = run_poisoned(mod, q, k, v, causal=causal)
+        assert torch.equal(o1, o2) and torch.equal(lse1, lse2), f"two calls differ (causal {causal}): a race? {replay()}"
