@@ -41,7 +41,10 @@
 //   FA3 in its run of record (results/h200/2026-12-02T00-08-22Z.json). Dense, N = 1K / 2K / 4K / 8K / 16K / video:
 //   599.1 / 645.2 / 678.3 / 692.9 / 699.1 / 706.3 against step16's 604.9 / 650.4 / 669.2 / 694.6 / 697.2 / 714.1 in the
 //   same run, 0.98 / 0.99 / 1.01 / 1.01 / 1.01 / 1.01x FA3: at 4K the pairs pay (1.09x cuDNN, step16 1.08x); at 1K and 2K
-//   the kernel is step16's (the noise of one run: 1%); at the video shape the 128-key tile gives back what 176 keys won.
+//   the kernel was step16's but for a second kv_range per work tile (3240 - 3192 = 48 SASS instructions more,
+//   results/h200/2026-12-02-step17/sass-size.txt; since compiled out of
+//   the short tiling with `if constexpr (LONG)`; the long tiling's SASS is unchanged by it); at the video shape the
+//   128-key tile gives back what 176 keys won.
 // IN A LANGUAGE MODEL (results/h200/prefill-2026-12-02T18-19-32Z.json: transformers' Llama with the Llama-3-8B
 //   configuration, a prefill of 8192 tokens): 1.022x SDPA's default end to end, FA3 1.018x.
 // CHECKED (results/h200/2026-12-02T18-18-27Z-logs/checks.log, sanitizer_memcheck_17.txt, sanitizer_racecheck_17.txt):
@@ -613,7 +616,8 @@ __device__ void consumer_mma(SharedStorage<LONG>& smem, const FwdParams& p, cons
         const int q_row = w.q_tile * BLOCK_M + index * ROWS_PER_WARPGROUP;
         wg.start_tile();
         if (kv.tiles > 0) {  // else no row sees a key: no Q, no turns, and the epilogue stores O = 0, LSE = -inf
-            for (int skip = walk_tiles<LONG>(w, p) - kv.tiles; skip > 0; --skip) wg.pass_over(count++);
+            if constexpr (LONG)
+                for (int skip = walk_tiles<LONG>(w, p) - kv.tiles; skip > 0; --skip) wg.pass_over(count++);
             {
                 TRACE_SPAN(TRACE_FULL_WAIT_BEGIN, t);
                 mbarrier_wait_parity(&smem.Q_full, iteration % 2);  // this tile's Q
