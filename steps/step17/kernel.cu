@@ -44,7 +44,8 @@
 //   the kernel was step16's but for a second kv_range per work tile (3240 - 3192 = 48 SASS instructions more,
 //   results/h200/2026-12-02-step17/sass-size.txt; since compiled out of
 //   the short tiling with `if constexpr (LONG)`; the long tiling's SASS is unchanged by it); at the video shape the
-//   128-key tile gives back what 176 keys won.
+//   128-key tile gives back what 176 keys won. As committed, beside step16 (results/h200/2026-12-02-step17/ab-as-committed.log,
+//   interleaved windows): 0.999 / 0.999x at 1K / 2K dense, 1.026x causal at 4K (0.991x FA3).
 // IN A LANGUAGE MODEL (results/h200/prefill-2026-12-02T18-19-32Z.json: transformers' Llama with the Llama-3-8B
 //   configuration, a prefill of 8192 tokens): 1.022x SDPA's default end to end, FA3 1.018x.
 // CHECKED (results/h200/2026-12-02T18-18-27Z-logs/checks.log, sanitizer_memcheck_17.txt, sanitizer_racecheck_17.txt):
