@@ -49,8 +49,8 @@
 // IN A LANGUAGE MODEL (results/h200/prefill-2026-12-02T18-19-32Z.json: transformers' Llama with the Llama-3-8B
 //   configuration, a prefill of 8192 tokens): 1.022x SDPA's default end to end, FA3 1.018x.
 // CHECKED (results/h200/2026-12-02T18-18-27Z-logs/checks.log, sanitizer_memcheck_17.txt, sanitizer_racecheck_17.txt):
-//   step17's GPU checks pass, the new causal ones in pairs among them; compute-sanitizer finds no error and no hazard at
-//   1 x 2 x 512 x 4096 causal. The new checks fail on a build whose first block after a pass-over is not masked
+//   step17's GPU checks pass, the new causal ones in pairs among them; compute-sanitizer finds no error (memcheck, 1 x 4
+//   x 512 x 4096 causal) and no hazard (racecheck, 1 x 2 x 512 x 4096). The new checks fail on a build whose first block after a pass-over is not masked
 //   (results/h200/2026-12-02-step17/broken-pass-over.log: all ten of them, while the launcher's choice still passes).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
@@ -161,9 +161,10 @@ __device__ __forceinline__ void wait_full(uint64_t* full, int count, int kv_tile
 // Causal: tiles come in pairs of equal work. Within a head, tile 2i is the i-th longest Q tile and tile 2i + 1 the
 // i-th shortest, and CTA b takes the pairs b, b + gridDim.x, ... (both tiles of a pair, one after the other). A head
 // with an odd number of Q tiles ends in a pair whose second tile is no tile (q_tile -1, skipped): its middle tile goes
-// alone, and no pair spans two heads. LONG, causal (whole quadruples of Q tiles in every head): the CTAs 2c and 2c + 1
-// take the pairs 2c and 2c + 1, the Q tiles q - 1 - 2c and q - 2 - 2c first (q tiles in the head, c counted within
-// it), then 2c and 2c + 1: neighbours each time, and each CTA of the two the higher one of them once.
+// alone, and no pair spans two heads. LONG, causal (whole quadruples of Q tiles in every head): at each turn the CTAs
+// 2c and 2c + 1 of a cluster take two neighbouring pairs of one head, its pairs 2m and 2m + 1 (m counted within the
+// head): the Q tiles q - 1 - 2m and q - 2 - 2m first (q tiles in the head), then 2m and 2m + 1: neighbours each time,
+// and each CTA of the two the higher one of them once.
 struct WorkTile {
     int q_tile, head, batch;
 };
@@ -205,7 +206,8 @@ __device__ __forceinline__ KvRange kv_range(const WorkTile& w, const FwdParams& 
 // The K/V walk runs from the last tile to the first: the tiles that need a mask (the partial tile past seqlen_k, the
 // tiles the diagonal crosses) are the first ones, so only the first GEMM blocks mask.
 // LONG: both CTAs of a pair load every K/V tile that either of their neighbouring Q tiles (2i, 2i + 1) sees, which
-// are the tiles that the higher one sees (causal_offset >= 0); the lower one passes over the first ones of the walk.
+// are the tiles that the higher one sees (it sees every key the lower one does); the lower one passes over the first
+// ones of the walk (causal_offset >= 0 leaves it at least one tile of its own).
 template <bool LONG>
 __device__ __forceinline__ int walk_tiles(const WorkTile& w, const FwdParams& p) {
     return kv_range<LONG>(LONG ? WorkTile{w.q_tile | 1, w.head, w.batch} : w, p).tiles;
@@ -338,7 +340,7 @@ struct MmaWarpgroup {
                                     wgmma_desc_kmajor(K_tile + half * KV_HALF_BYTES + kstep), kk > 0);
         }
     }
-    // O += P V: 8 (11) RS wgmma, one per 16 keys, P from registers, V N-major (16 keys = 2 atoms further).
+    // O += P V: 8 RS wgmma, one per 16 keys, P from registers, V N-major (16 keys = 2 atoms further).
     __device__ void issue_pv(int stage) {
         const uint32_t V_tile = smem_u32(smem.V[stage]);
         const uint64_t V_desc = wgmma_desc_nmajor(V_tile, KV_HALF_BYTES);
