@@ -554,18 +554,13 @@ LONG_CAUSAL_SHAPES = [
 ]
 
 
-def long_causal_shape(mod, shape):
-    batch, heads, heads_k, nq, past = shape
-    return batch, heads, heads_k, nq, mod.info["long_min_seqlen_k"] + past
-
-
 @pytest.mark.parametrize("alignment", ALIGNMENTS)
 @pytest.mark.parametrize("shape", LONG_CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_long_tiling_causal(mod, shape, alignment):
     needs_long_tiling(mod)
     if not mod.info["long_causal"]:
         pytest.skip(f"{mod.info['step']}'s causal calls keep the short tiling (info['long_causal'] is False)")
-    batch, heads, heads_k, nq, nk = long_causal_shape(mod, shape)
+    batch, heads, heads_k, nq, nk = long_shape(mod, (*shape, True))
     if heads_k != heads:
         needs_gqa(mod)
     case = random_case(batch, heads, nq, nk, 1.0, alignment, heads_k=None if heads_k == heads else heads_k)
