@@ -37,7 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 HEAD_DIM = 128
-ABI_VERSION = 4      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
+ABI_VERSION = 5      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
 FEATURE_CAUSAL, FEATURE_GQA = 1, 2  # bits of flashladder_features() (common/flashladder.cuh)
 # The `causal` argument: False (every key), or which corner the diagonal starts from when seqlen_q != seqlen_k:
 # "top_left" (SDPA's is_causal=True: row i sees keys 0..i) or "bottom_right" (torch's causal_lower_right, a KV cache's:
@@ -60,6 +60,7 @@ class FwdParams(ctypes.Structure):
         ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("heads_k", ctypes.c_int32), ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
+        ("workspace", ctypes.c_void_p),
     ]
 
 
@@ -86,6 +87,9 @@ def load_library(path: Path) -> ctypes.CDLL:
         lib.flashladder_smem_bytes.restype = ctypes.c_int
     if hasattr(lib, "flashladder_features"):
         lib.flashladder_features.restype = ctypes.c_int
+    if hasattr(lib, "flashladder_workspace_bytes"):
+        lib.flashladder_workspace_bytes.restype = ctypes.c_int64
+        lib.flashladder_workspace_bytes.argtypes = [ctypes.c_int]
     if lib.flashladder_params_size() != ctypes.sizeof(FwdParams):
         raise ImportError(f"{path}: sizeof(FwdParams) is {lib.flashladder_params_size()} in the library but "
                           f"{ctypes.sizeof(FwdParams)} in the binding's ctypes mirror: the two disagree, fix the mirror")
@@ -333,14 +337,15 @@ def output_like(q: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.preserve_format)
 
 
-def make_params(q, k, v, o, lse, scale: float, causal: int = 0) -> FwdParams:
-    """FwdParams for one launch; strides as the checks saw them (kernel_strides); causal as check_causal gives it."""
+def make_params(q, k, v, o, lse, scale: float, causal: int = 0, workspace: Optional[int] = None) -> FwdParams:
+    """FwdParams for one launch; strides as the checks saw them (kernel_strides); causal as check_causal gives it;
+    workspace: the address of the step's workspace (None: the step runs without one)."""
     def strides(t):
         return (ctypes.c_int64 * 3)(*kernel_strides(t))
     offset = k.shape[2] - q.shape[2] if causal == CAUSAL["bottom_right"] else 0
     return FwdParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                      strides(q), strides(k), strides(v), strides(o),
-                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset)
+                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset, workspace)
 
 
 def no_cuda_reason() -> Optional[str]:
@@ -635,7 +640,7 @@ def bind_step(module_name: str):
     archs = lib.flashladder_archs().decode().split(",")  # e.g. sm_80,...,sm_120,compute_80 (common/build_step.py)
     # Dynamic shared memory per block, exported by the steps that run on GPUs with less of it than Hopper's 227 KB.
     smem_bytes = lib.flashladder_smem_bytes() if hasattr(lib, "flashladder_smem_bytes") else None
-    # A second tiling for long sequences, exported by the steps that have one (step16, step17): its K/V tile, and the
+    # A second tiling for long sequences, exported by the steps that have one (steps 16-18): its K/V tile, and the
     # seqlen_k from which the launcher picks it for calls without a mask (step17: causal ones too, by long_causal's rule)
     # and with an even number of Q tiles.
     long_tile = ((lib.flashladder_long_tile_k(), lib.flashladder_long_min_seqlen_k())
@@ -644,6 +649,24 @@ def bind_step(module_name: str):
     long_causal = bool(lib.flashladder_long_causal()) if hasattr(lib, "flashladder_long_causal") else False
     # What the step takes beyond dense attention with equal heads (FEATURE_CAUSAL, FEATURE_GQA).
     features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
+    # A workspace, for the steps that export its size (step18: the split tail's partial outputs and flags): one per device
+    # and stream, zeroed when made, and left zero by every call (calls on one stream run one after another). Not made
+    # during a CUDA graph's capture (a capture's memory belongs to its graph): a call captured before the stream has
+    # one runs without it, as a step without a workspace does.
+    workspace_bytes = lib.flashladder_workspace_bytes if hasattr(lib, "flashladder_workspace_bytes") else None
+    workspaces = {}
+
+    def workspace_for(device: torch.device, stream: int) -> Optional[int]:
+        if workspace_bytes is None:
+            return None
+        key = (device.index, stream)
+        if key not in workspaces:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            workspaces[key] = torch.zeros(workspace_bytes(sms), dtype=torch.uint8, device=device)
+        return workspaces[key].data_ptr()
+
     # Said at import, so that it comes before torch's own error at the first CUDA call (e.g. torch.randn(device="cuda")).
     if why := no_cuda_reason():  # stacklevel 3: the line that imports the step (pkg/__init__.py calls this)
         warnings.warn(f"flashladder.{step}: {why}; the kernel runs on {runs_on(archs)} with a CUDA build of torch",
@@ -659,9 +682,9 @@ def bind_step(module_name: str):
             lse.fill_(-math.inf)
             return
         check_launch(step, tensors, archs, smem_bytes)
-        params = make_params(q, k, v, o, lse, scale, causal)
         with torch.cuda.device(q.device):
             stream = torch.cuda.current_stream(q.device).cuda_stream
+            params = make_params(q, k, v, o, lse, scale, causal, workspace_for(q.device, stream))
             err = lib.flashladder_fwd(ctypes.byref(params), ctypes.c_void_p(stream))
         if err != 0:
             raise RuntimeError(f"flashladder.{step}: kernel launch failed: {lib.flashladder_error_string(err).decode()} "
@@ -738,7 +761,7 @@ def bind_step(module_name: str):
     attention.__module__ = attention_out.__module__ = sdpa.__module__ = module_name
     info = {"step": step, "seqlen_multiple_q": seqlen_multiple[0], "seqlen_multiple_k": seqlen_multiple[1],
             "tile_q": tile[0], "tile_k": tile[1], "long_tile_k": long_tile[0], "long_min_seqlen_k": long_tile[1],
-            "long_causal": long_causal,
+            "long_causal": long_causal, "workspace": workspace_bytes is not None,
             "archs": archs, "runs_on": runs_on(archs), "smem_bytes": smem_bytes,
             "causal": bool(features & FEATURE_CAUSAL), "gqa": bool(features & FEATURE_GQA),
             "library": lib._name,

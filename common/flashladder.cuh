@@ -17,8 +17,9 @@
 
 // Bumped when FwdParams or the exported functions change; the binding refuses a mismatched .so.
 // (3: flashladder_archs and flashladder_loaded_code; flashladder_smem_bytes in the steps that run beyond Hopper.
-// 4: FwdParams' heads_k, causal and causal_offset; flashladder_features in the steps that read them.)
-#define FLASHLADDER_ABI_VERSION 4
+// 4: FwdParams' heads_k, causal and causal_offset; flashladder_features in the steps that read them.
+// 5: FwdParams' workspace; flashladder_workspace_bytes in the steps that read it.)
+#define FLASHLADDER_ABI_VERSION 5
 
 // ---- which GPUs the library runs on: said by the build (common/build_step.py, TARGETS) ----
 // FLASHLADDER_ARCHS: what the library holds, its SASS then its PTX, e.g. "sm_80,sm_86,sm_89,sm_90a,sm_120,compute_80"
@@ -65,6 +66,10 @@ struct FwdParams {
     int32_t heads_k;        // key/value heads, a divisor of heads: query head h reads key/value head h / (heads / heads_k)
     int32_t causal;         // 1: row i sees key j only if j <= i + causal_offset; 0: every key
     int32_t causal_offset;  // 0: the diagonal from the top left (SDPA's is_causal); seqlen_k - seqlen_q: from the bottom right
+    // What only the steps that export flashladder_workspace_bytes(sms) read (the others get nullptr): that many bytes of
+    // device memory, zero before the step's first call on the stream, which the step leaves zero again after each call.
+    // nullptr: the step runs without it.
+    void* workspace;
 };
 
 // Bits of flashladder_features(), exported by the steps that take more than dense attention with equal heads.

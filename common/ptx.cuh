@@ -125,3 +125,19 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Flags between CTAs in global memory (the release / acquire patterns of the PTX memory model)
+// ---------------------------------------------------------------------------------------------------
+
+// One thread tells CTAs elsewhere on the GPU that data is ready: what it wrote before, and what other threads of its
+// CTA wrote before a barrier it then passed (the fence is cumulative), is visible to a thread that reads `value` with
+// load_acquire_gpu. PTX ISA: "Memory Consistency Model: Release and Acquire Patterns"; "st".
+__device__ __forceinline__ void store_release_gpu(int* flag, int value) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" :: "l"(flag), "r"(value) : "memory");
+}
+__device__ __forceinline__ int load_acquire_gpu(const int* flag) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
+    return value;
+}
