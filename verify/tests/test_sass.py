@@ -561,3 +561,24 @@ def test_the_short_tiling_is_the_step_before(later, before, cuobjdump):
     apart = sum(((short - old) + (old - short)).values())
     assert apart <= 6, f"{later}'s short tiling differs from {before} in {apart} opcodes: {(short - old) + (old - short)}"
     assert sum(((long - old) + (old - long)).values()) > 100  # the test tells two different kernels apart
+
+
+def test_the_kernels_without_the_split_are_step17s(cuobjdump):
+    """step18's header says the calls it does not split run step17's kernels: attention_fwd_kernel<LONG, false> compiles to
+    step17's attention_fwd_kernel<LONG>, both tilings, to the instruction count and but for a few opcodes (the loop's
+    bounds, which the pieces' iterator leaves as moves and selects ptxas keeps); <LONG, true>, the split tail, is another code."""
+    if not {"step17", "step18"} <= set(steps_mod.all_steps()):
+        pytest.skip("step17 or step18 not in this tree")
+    steps_mod.build(["step17", "step18"], log=lambda *_: None)
+    funcs = {s: functions_of(sass_of(cuobjdump, kernel_so(s), "sm_90a")) for s in ("step17", "step18")}
+
+    def opcodes(step, marker):
+        return next(collections.Counter(i.text.split()[0] for i in code) for n, code in funcs[step].items()
+                    if "attention_fwd_kernel" + marker in n)
+
+    for long in "01":
+        old, same, split = opcodes("step17", f"ILb{long}EE"), opcodes("step18", f"ILb{long}ELb0E"), opcodes("step18", f"ILb{long}ELb1E")
+        apart = (same - old) + (old - same)
+        assert abs(sum(same.values()) - sum(old.values())) <= 8 and sum(apart.values()) <= 24, \
+            f"step18's <{long}, false> differs from step17's <{long}> in {sum(apart.values())} opcodes: {apart}"
+        assert sum(((split - old) + (old - split)).values()) > 500  # the test tells the split kernel apart

@@ -6,6 +6,8 @@ FLASHLADDER_SEED=... that replays it); the float64 reference of each case is com
 by the steps (verify/checks.py). A step with causal masks or grouped key/value heads (info["causal"], info["gqa"]: step15)
 is checked with them too, at ragged lengths up to 32760, including rows and whole work tiles that see no key.
 """
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -579,7 +581,8 @@ def causal_takes_long_tiling(mod, nq, nk, alignment) -> bool:
                          ids=lambda s: "x".join(map(str, s[:5])) + ("-long" if s[5] else "-short"))
 def test_the_launcher_picks_the_tiling_the_shape_calls_for(mod, shape):
     """The long tests above test the long tiling only if the launcher takes it there: the kernel's name says which
-    (attention_fwd_kernel<true>: LONG). Causal calls take it only on a step with info["long_causal"], by its rule."""
+    (attention_fwd_kernel<true>, step18's <true, SPLIT>: LONG). Causal calls take it only on a step with
+    info["long_causal"], by its rule."""
     needs_long_tiling(mod)
     batch, heads, heads_k, nq, nk = long_shape(mod, shape)
     q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k)
@@ -588,7 +591,8 @@ def test_the_launcher_picks_the_tiling_the_shape_calls_for(mod, shape):
             continue
         names = [n for n in launched_kernels(lambda: mod.attention(q, k, v, causal=causal)) if "attention_fwd_kernel" in n]
         assert len(names) == 1, names
-        assert ("<true>" in names[0]) == want, f"{'x'.join(map(str, (batch, heads, nq, nk)))} causal {causal}: {names[0]}"
+        long = re.search(r"attention_fwd_kernel<(true|false)\b", names[0])  # its first template argument (step18: <LONG, SPLIT>)
+        assert long and (long.group(1) == "true") == want, f"{'x'.join(map(str, (batch, heads, nq, nk)))} causal {causal}: {names[0]}"
 
 
 def test_long_tiling_is_deterministic(mod):
@@ -600,3 +604,95 @@ def test_long_tiling_is_deterministic(mod):
         o1, lse1 = run_poisoned(mod, q, k, v, causal=causal)
         o2, lse2 = run_poisoned(mod, q, k, v, causal=causal)
         assert torch.equal(o1, o2) and torch.equal(lse1, lse2), f"two calls differ (causal {causal}): a race? {replay()}"
+
+
+# A step with a split tail (info["workspace"]: step18): a dense call whose work tiles leave the grid's last turn partly
+# empty has that turn's tiles cut along their K/V walks, the pieces dealt out evenly to the CTAs and merged by the one
+# that holds each walk's start. The counts below are for a GPU of 132 SMs (H100 SXM, H200); elsewhere they are
+# other splits, checked all the same. (batch, heads, heads_k, seqlen_q, seqlen_k):
+TAIL_SHAPES = [
+    (1, 25, 25, 1024, 1024),   # 200 work tiles: 68 in the last turn, as at the shapes of record; 4-5 of 8 K/V tiles a CTA
+    (1, 17, 17, 1024, 1024),   # 136: 4 in the last turn, 32 K/V tiles for 132 CTAs: an owner and 7 partials a walk
+    (2, 9, 9, 1000, 3001),     # ragged: 12 tiles of 24 K/V tiles, the owner's first one partial, the last Q tile partial
+    (1, 34, 2, 1024, 1024),    # grouped heads: 8 tiles in the last turn
+    (1, 140, 140, 128, 128),   # one K/V tile a walk: nothing to cut, every piece whole
+    (1, 68, 68, 256, 4096),    # the long tiling: 68 pairs on 66 clusters, 2 x 32 units for 66 runs (two of them empty)
+    (1, 70, 70, 256, 5096),    # the long tiling, 4 pairs in the last turn, its walks' first K/V tile partial
+]
+
+
+def needs_split_tail(mod):
+    if not mod.info["workspace"]:
+        pytest.skip(f"{mod.info['step']} runs every work tile whole (info['workspace'] is False)")
+
+
+@pytest.mark.parametrize("shape", TAIL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_split_tail(mod, shape):
+    needs_split_tail(mod)
+    batch, heads, heads_k, nq, nk = shape
+    if heads_k != heads:
+        needs_gqa(mod)
+    case = random_case(batch, heads, nq, nk, 1.0, heads_k=None if heads_k == heads else heads_k)
+    assert_passes(mod, check(mod, case), case.label)
+
+
+def run_unsplit(mod, q, k, v):
+    """One call through the step's library with no workspace: every work tile whole."""
+    import ctypes
+    import math
+    from pathlib import Path
+    binding = mod._binding
+    lib = binding.load_library(Path(mod.info["library"]))
+    o = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    params = binding.make_params(q, k, v, o, lse, 1.0 / math.sqrt(binding.HEAD_DIM), 0, None)
+    assert lib.flashladder_fwd(ctypes.byref(params), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)) == 0
+    torch.cuda.synchronize()
+    return o, lse
+
+
+def test_the_last_turn_is_split_and_the_whole_turns_are_not(mod):
+    """The tests above test the split only if the step takes it: the tiles of the whole turns come out bitwise as a call
+    without a workspace gives them, and some tile of the last turn does not (its sums run in another order)."""
+    needs_split_tail(mod)
+    batch, heads, nq, nk = 1, 25, 1024, 1024
+    q, k, v = make_inputs(batch, heads, nq, nk)
+    o, lse = run_poisoned(mod, q, k, v)
+    o0, lse0 = run_unsplit(mod, q, k, v)
+    q_tiles, sms = nq // mod.info["tile_q"], torch.cuda.get_device_properties(q.device).multi_processor_count
+    tiles = q_tiles * heads * batch
+    whole = tiles // min(tiles, sms) * min(tiles, sms)
+    rows = lambda t: (t // q_tiles // heads, t // q_tiles % heads, slice(t % q_tiles * 128, t % q_tiles * 128 + 128))  # noqa: E731
+    for t in range(whole):
+        b, h, r = rows(t)
+        assert torch.equal(o[b, h, r], o0[b, h, r]) and torch.equal(lse[b, h, r], lse0[b, h, r]), f"whole tile {t} differs"
+    differ = [t for t in range(whole, tiles) if not torch.equal(o[rows(t)], o0[rows(t)])]
+    assert differ, f"the {tiles - whole} tiles of the last turn are bitwise those of a call without a workspace: not split"
+
+
+@pytest.mark.parametrize("shape", [TAIL_SHAPES[1], TAIL_SHAPES[5]], ids=lambda s: "x".join(map(str, s)))
+def test_split_tail_is_deterministic(mod, shape):
+    """Two calls bitwise equal: the partials merge in one order, each after its flag."""
+    needs_split_tail(mod)
+    q, k, v = make_inputs(shape[0], shape[1], shape[3], shape[4])
+    o1, lse1 = run_poisoned(mod, q, k, v)
+    o2, lse2 = run_poisoned(mod, q, k, v)
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2), f"two calls differ: a race in the merge? {replay()}"
+
+
+def test_split_tail_on_two_streams_at_once(mod):
+    """Calls on two streams at once, each stream with its own workspace, give what the same calls give one by one."""
+    needs_split_tail(mod)
+    inputs = [make_inputs(1, 25, 1024, 1024, seed=run_seed() + i) for i in range(2)]
+    alone = [run_poisoned(mod, *x) for x in inputs]
+    streams = [torch.cuda.Stream() for _ in inputs]
+    outs = [[] for _ in inputs]
+    torch.cuda.synchronize()
+    for _ in range(8):
+        for s, x, out in zip(streams, inputs, outs):
+            with torch.cuda.stream(s):
+                out.append(mod.attention(*x))
+    torch.cuda.synchronize()
+    for i, (out, (o, lse)) in enumerate(zip(outs, alone)):
+        for o2, lse2 in out:
+            assert torch.equal(o2, o) and torch.equal(lse2, lse), f"stream {i}: a call differs from the same call alone"
