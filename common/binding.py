@@ -650,21 +650,24 @@ def bind_step(module_name: str):
     # What the step takes beyond dense attention with equal heads (FEATURE_CAUSAL, FEATURE_GQA).
     features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
     # A workspace, for the steps that export its size (step18: the split tail's partial outputs and flags): one per device
-    # and stream, zeroed when made, and left zero by every call (calls on one stream run one after another). Not made
-    # during a CUDA graph's capture (a capture's memory belongs to its graph): a call captured before the stream has
-    # one runs without it, as a step without a workspace does.
+    # and stream, zeroed when made, and left zero by every call (eager calls on one stream run one after another).
+    # Never during a CUDA graph's capture: a graph replayed on another stream, or beside eager calls, would share the
+    # stream's workspace with them, so a captured call runs without one (step18: without the split). Made on a stream
+    # of its own, which the call's stream then waits for: torch.compile's CUDA graphs route the allocations of the
+    # stream they warm up on into their private pool, where a tensor kept for good would be overwritten.
     workspace_bytes = lib.flashladder_workspace_bytes if hasattr(lib, "flashladder_workspace_bytes") else None
     workspaces = {}
 
     def workspace_for(device: torch.device, stream: int) -> Optional[int]:
-        if workspace_bytes is None:
+        if workspace_bytes is None or torch.cuda.is_current_stream_capturing():
             return None
         key = (device.index, stream)
         if key not in workspaces:
-            if torch.cuda.is_current_stream_capturing():
-                return None
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            workspaces[key] = torch.zeros(workspace_bytes(sms), dtype=torch.uint8, device=device)
+            maker = torch.cuda.Stream(device)
+            with torch.cuda.stream(maker):
+                workspaces[key] = torch.zeros(workspace_bytes(sms), dtype=torch.uint8, device=device)
+            torch.cuda.current_stream(device).wait_stream(maker)
         return workspaces[key].data_ptr()
 
     # Said at import, so that it comes before torch's own error at the first CUDA call (e.g. torch.randn(device="cuda")).

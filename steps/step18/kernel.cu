@@ -15,7 +15,8 @@
 //   go through the same ring, GEMM blocks and epilogue as whole tiles (first_piece, next_piece). The split is a
 //   kernel of its own, attention_fwd_kernel<LONG, true>; causal calls, calls whose last turn is full and calls
 //   without a workspace run <LONG, false>, step17's kernel (test_sass.py ties the two, both tilings). The binding
-//   gives the step its workspace (FwdParams' workspace: about 9 MB on 132 SMs), one per device and stream.
+//   gives the step its workspace (FwdParams' workspace: about 9 MB on 132 SMs), one per device and stream, and none
+//   to a call captured into a CUDA graph.
 //
 // WHY (results/h200/2026-12-02-step18/tail.log: step16, step17 and FA3 at shapes whose work tiles fill whole turns,
 //   2112 tiles, beside the shapes of record's 2048 on 132 SMs): with 2112 / 2048 = 1.03 times the work in the same 16
@@ -224,10 +225,11 @@ __device__ __forceinline__ int kv_row(int kv_tile, int num_kv_tiles) { return (n
 // 64 SMs idle while 68 run a whole tile. Here the tiles of that last turn are cut along their K/V walks instead, and the
 // pieces dealt out evenly: the tail's units (a work tile's K/V tiles, or LONG a pair's) in order, tile by tile, each
 // CTA (cluster) a run of about the same count, the last CTA the first run (so that a CTA waits only for lower ones,
-// which started no later). A piece that holds its walk's start (begin 0) comes last in its CTA's run; the pieces
-// after it in the walk come first in higher CTAs' runs: they store their partial O, its shifts and its row sums in
-// the workspace and raise a flag (begin > 0: a partial piece), and the piece that holds the start (its owner) waits for
-// each flag, merges the partials into its registers and stores O and LSE as a whole tile does.
+// which the GPU starts first; each CTA stores its partial before it waits for any). A piece that holds its walk's start
+// (begin 0) comes last in its CTA's run; the pieces after it in the walk come first in lower CTAs' runs: they store
+// their partial O, its shifts and its row sums in the workspace and raise a flag (begin > 0: a partial piece), and the
+// piece that holds the start (its owner) waits for each flag, merges the partials into its registers and stores O and
+// LSE as a whole tile does.
 constexpr int MAX_SPLIT_CTAS = 512;  // the workspace's flags: one per consumer warpgroup of this many CTAs
 constexpr int FLAGS_BYTES = MAX_SPLIT_CTAS * NUM_CONSUMERS * sizeof(int);
 constexpr int PARTIAL_FLOAT4S = O_BLOCKS + 1;  // a consumer thread's partial: O_acc, then m_i[0..1] and l_i[0..1]

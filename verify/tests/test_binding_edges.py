@@ -191,13 +191,16 @@ def test_a_step_s_features_are_its_library_s(mod):
 
 
 def test_the_params_mirror_puts_the_new_fields_after_the_scale():
-    """FwdParams' ABI-4 fields follow `scale` in the C struct's order, each an int32 (the library checks the size only)."""
+    """FwdParams' ABI-4 fields follow `scale` in the C struct's order, each an int32, and ABI 5's workspace pointer
+    follows them, 8-byte aligned as the C compiler puts it (the library checks the size only)."""
     import binding
     names = [name for name, _ in binding.FwdParams._fields_]
-    assert names[-4:] == ["scale", "heads_k", "causal", "causal_offset"]
+    assert names[-5:] == ["scale", "heads_k", "causal", "causal_offset", "workspace"]
     assert all(getattr(binding.FwdParams, f).offset == binding.FwdParams.scale.offset + 4 * (i + 1)
                for i, f in enumerate(("heads_k", "causal", "causal_offset")))
     assert all(dict(binding.FwdParams._fields_)[f] is ctypes.c_int32 for f in ("heads_k", "causal", "causal_offset"))
+    assert dict(binding.FwdParams._fields_)["workspace"] is ctypes.c_void_p
+    assert binding.FwdParams.workspace.offset == -(-(binding.FwdParams.causal_offset.offset + 4) // 8) * 8
 
 
 CAUSAL_OK = {False: 0, None: 0, "top_left": 1, "bottom_right": 2}
