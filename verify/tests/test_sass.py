@@ -545,40 +545,43 @@ arch = sm_90a
     assert parse_ptx(text) == {"sm_80": ".version 9.0\n.target sm_80\n.entry k()\n{\n}\n"}
 
 
+def kernel_opcodes(cuobjdump, steps: tuple) -> dict[str, dict[str, collections.Counter]]:
+    """{step: {mangled kernel name: its sm_90a opcodes, counted}} for steps built here (skipped where one is missing)."""
+    if not set(steps) <= set(steps_mod.all_steps()):
+        pytest.skip(f"one of {', '.join(steps)} is not in this tree")
+    steps_mod.build(list(steps), log=lambda *_: None)
+    return {s: {name: collections.Counter(i.text.split()[0] for i in code)
+                for name, code in functions_of(sass_of(cuobjdump, kernel_so(s), "sm_90a")).items()} for s in steps}
+
+
+def apart(a: collections.Counter, b: collections.Counter) -> collections.Counter:
+    return (a - b) + (b - a)
+
+
+def kernel(opcodes: dict[str, collections.Counter], marker: str) -> collections.Counter:
+    return next(c for name, c in opcodes.items() if "attention_fwd_kernel" + marker in name)
+
+
 @pytest.mark.parametrize("later, before", [("step16", "step15"), ("step17", "step15")])
 def test_the_short_tiling_is_the_step_before(later, before, cuobjdump):
-    """The headers of step16 and step17 say every call outside their long tiling runs step15's kernel: attention_fwd_kernel<false> compiles
-    to step15's kernel, opcode for opcode (ptxas schedules and allocates registers its own way: the order and the
-    registers may differ, the counts of each opcode by at most the few moves it needs), and <true> is another code."""
-    if not {later, before} <= set(steps_mod.all_steps()):
-        pytest.skip(f"{later} or {before} not in this tree")
-    steps_mod.build([before, later], log=lambda *_: None)
-    funcs = {s: functions_of(sass_of(cuobjdump, kernel_so(s), "sm_90a")) for s in (before, later)}
-    opcodes = {name: collections.Counter(i.text.split()[0] for i in code) for s in funcs for name, code in funcs[s].items()}
-    old = next(opcodes[n] for n in funcs[before] if "attention_fwd_kernel" in n)
-    short = next(opcodes[n] for n in funcs[later] if "attention_fwd_kernelILb0E" in n)
-    long = next(opcodes[n] for n in funcs[later] if "attention_fwd_kernelILb1E" in n)
-    apart = sum(((short - old) + (old - short)).values())
-    assert apart <= 6, f"{later}'s short tiling differs from {before} in {apart} opcodes: {(short - old) + (old - short)}"
-    assert sum(((long - old) + (old - long)).values()) > 100  # the test tells two different kernels apart
+    """The headers of step16 and step17 say every call outside their long tiling runs step15's kernel:
+    attention_fwd_kernel<false> compiles to step15's kernel, opcode for opcode (ptxas schedules and allocates registers
+    its own way: the order and the registers may differ, the counts of each opcode by at most the few moves it needs),
+    and <true> is another code."""
+    ops = kernel_opcodes(cuobjdump, (before, later))
+    old, short, long = kernel(ops[before], ""), kernel(ops[later], "ILb0E"), kernel(ops[later], "ILb1E")
+    assert sum(apart(short, old).values()) <= 6, f"{later}'s short tiling differs from {before}: {apart(short, old)}"
+    assert sum(apart(long, old).values()) > 100  # the test tells two different kernels apart
 
 
 def test_the_kernels_without_the_split_are_step17s(cuobjdump):
-    """step18's header says the calls it does not split run step17's kernels: attention_fwd_kernel<LONG, false> compiles to
-    step17's attention_fwd_kernel<LONG>, both tilings, to the instruction count and but for a few opcodes (the loop's
-    bounds, which the pieces' iterator leaves as moves and selects ptxas keeps); <LONG, true>, the split tail, is another code."""
-    if not {"step17", "step18"} <= set(steps_mod.all_steps()):
-        pytest.skip("step17 or step18 not in this tree")
-    steps_mod.build(["step17", "step18"], log=lambda *_: None)
-    funcs = {s: functions_of(sass_of(cuobjdump, kernel_so(s), "sm_90a")) for s in ("step17", "step18")}
-
-    def opcodes(step, marker):
-        return next(collections.Counter(i.text.split()[0] for i in code) for n, code in funcs[step].items()
-                    if "attention_fwd_kernel" + marker in n)
-
+    """step18's header says the calls it does not split run step17's kernels: attention_fwd_kernel<LONG, false> compiles
+    to step17's attention_fwd_kernel<LONG>, both tilings, to the instruction count and but for a few opcodes (the loop's
+    bounds, which the pieces' iterator leaves as moves and selects ptxas keeps); <LONG, true>, the split, is another code."""
+    ops = kernel_opcodes(cuobjdump, ("step17", "step18"))
     for long in "01":
-        old, same, split = opcodes("step17", f"ILb{long}EE"), opcodes("step18", f"ILb{long}ELb0E"), opcodes("step18", f"ILb{long}ELb1E")
-        apart = (same - old) + (old - same)
-        assert abs(sum(same.values()) - sum(old.values())) <= 8 and sum(apart.values()) <= 24, \
-            f"step18's <{long}, false> differs from step17's <{long}> in {sum(apart.values())} opcodes: {apart}"
-        assert sum(((split - old) + (old - split)).values()) > 500  # the test tells the split kernel apart
+        old = kernel(ops["step17"], f"ILb{long}EE")
+        same, split = kernel(ops["step18"], f"ILb{long}ELb0E"), kernel(ops["step18"], f"ILb{long}ELb1E")
+        assert abs(sum(same.values()) - sum(old.values())) <= 8 and sum(apart(same, old).values()) <= 24, \
+            f"step18's <{long}, false> differs from step17's <{long}>: {apart(same, old)}"
+        assert sum(apart(split, old).values()) > 500  # the test tells the split kernel apart
