@@ -680,6 +680,36 @@ def test_split_tail_is_deterministic(mod, shape):
     assert torch.equal(o1, o2) and torch.equal(lse1, lse2), f"two calls differ: a race in the merge? {replay()}"
 
 
+def test_each_stream_has_a_workspace_of_its_own_and_a_captured_call_none(mod, monkeypatch):
+    """The binding's workspaces, read where it hands them to the kernel (make_params): one per stream, never shared by two
+    (calls on two streams may overlap; the test above sees a shared one only if their tails do), and none for a call
+    captured into a CUDA graph (a replay would share the capturing stream's with every later call on it)."""
+    needs_split_tail(mod)
+    seen, real = [], mod._binding.make_params
+
+    def spy(*args, **kwargs):
+        params = real(*args, **kwargs)
+        seen.append((torch.cuda.current_stream().cuda_stream, params.workspace))
+        return params
+    monkeypatch.setattr(mod._binding, "make_params", spy)
+    q, k, v = make_inputs(1, 25, 1024, 1024)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for _ in range(2):
+        for s in streams:
+            with torch.cuda.stream(s):
+                mod.attention(q, k, v)
+    torch.cuda.synchronize()
+    per_stream = {s.cuda_stream: {w for st, w in seen if st == s.cuda_stream} for s in streams}
+    assert all(len(w) == 1 and None not in w for w in per_stream.values()), f"a stream's calls had workspaces {per_stream}"
+    assert len(set.union(*per_stream.values())) == len(streams), f"two streams share a workspace: {per_stream}"
+    seen.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mod.attention(q, k, v)
+    torch.cuda.synchronize()
+    assert [w for _, w in seen] == [None], f"a captured call was given workspace {seen}"
+
+
 def test_split_tail_on_two_streams_at_once(mod):
     """Calls on two streams at once, each stream with its own workspace, give what the same calls give one by one."""
     needs_split_tail(mod)
