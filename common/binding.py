@@ -640,7 +640,7 @@ def bind_step(module_name: str):
     archs = lib.flashladder_archs().decode().split(",")  # e.g. sm_80,...,sm_120,compute_80 (common/build_step.py)
     # Dynamic shared memory per block, exported by the steps that run on GPUs with less of it than Hopper's 227 KB.
     smem_bytes = lib.flashladder_smem_bytes() if hasattr(lib, "flashladder_smem_bytes") else None
-    # A second tiling for long sequences, exported by the steps that have one (steps 16-18): its K/V tile, and the
+    # A second tiling for long sequences, exported by the steps that have one (steps 16-19): its K/V tile, and the
     # seqlen_k from which the launcher picks it for calls without a mask (step17: causal ones too, by long_causal's rule)
     # and with an even number of Q tiles.
     long_tile = ((lib.flashladder_long_tile_k(), lib.flashladder_long_min_seqlen_k())
@@ -649,10 +649,10 @@ def bind_step(module_name: str):
     long_causal = bool(lib.flashladder_long_causal()) if hasattr(lib, "flashladder_long_causal") else False
     # What the step takes beyond dense attention with equal heads (FEATURE_CAUSAL, FEATURE_GQA).
     features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
-    # A workspace, for the steps that export its size (step18: the split tail's partial outputs and flags): one per device
+    # A workspace, for the steps that export its size (steps 18-19: the split tail's partial outputs and flags): one per device
     # and stream, zeroed when made, and left zero by every call (eager calls on one stream run one after another).
     # Never during a CUDA graph's capture: a graph replayed on another stream, or beside eager calls, would share the
-    # stream's workspace with them, so a captured call runs without one (step18: without the split). Made on a stream
+    # stream's workspace with them, so a captured call runs without one (steps 18-19: without the split). Made on a stream
     # of its own, which the call's stream then waits for: torch.compile's CUDA graphs route the allocations of the
     # stream they warm up on into their private pool, where a tensor kept for good would be overwritten.
     workspace_bytes = lib.flashladder_workspace_bytes if hasattr(lib, "flashladder_workspace_bytes") else None

@@ -585,3 +585,20 @@ def test_the_kernels_without_the_split_are_step17s(cuobjdump):
         assert abs(sum(same.values()) - sum(old.values())) <= 8 and sum(apart(same, old).values()) <= 24, \
             f"step18's <{long}, false> differs from step17's <{long}>: {apart(same, old)}"
         assert sum(apart(split, old).values()) > 500  # the test tells the split kernel apart
+
+
+def test_the_causal_kernels_are_step18s_and_the_dense_ones_lose_the_causal_paths(cuobjdump):
+    """step19's header says causal calls run step18's kernels: attention_fwd_kernel<LONG, false, true> compiles to
+    step18's <LONG, false>, both tilings (opcode for opcode with nvcc 13.0, a few moves allowed); and that the dense
+    kernels, <LONG, SPLIT, false>, are built without the causal paths: each at least 5% shorter than step18's <LONG,
+    SPLIT>, whose code tests p.causal (with nvcc 13.0, 7 to 10% shorter)."""
+    ops = kernel_opcodes(cuobjdump, ("step18", "step19"))
+    for long in "01":
+        old = kernel(ops["step18"], f"ILb{long}ELb0EE")
+        same = kernel(ops["step19"], f"ILb{long}ELb0ELb1EE")
+        assert abs(sum(same.values()) - sum(old.values())) <= 8 and sum(apart(same, old).values()) <= 24, \
+            f"step19's causal <{long}, false> differs from step18's <{long}, false>: {apart(same, old)}"
+        for split in "01":
+            before, dense = kernel(ops["step18"], f"ILb{long}ELb{split}EE"), kernel(ops["step19"], f"ILb{long}ELb{split}ELb0EE")
+            assert sum(dense.values()) <= 0.95 * sum(before.values()), \
+                f"step19's dense <{long}, {split}> has {sum(dense.values())} instructions, step18's {sum(before.values())}"

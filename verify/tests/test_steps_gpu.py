@@ -582,7 +582,8 @@ def causal_takes_long_tiling(mod, nq, nk, alignment) -> bool:
 def test_the_launcher_picks_the_tiling_the_shape_calls_for(mod, shape):
     """The long tests above test the long tiling only if the launcher takes it there: the kernel's name says which
     (attention_fwd_kernel<true>, step18's <true, SPLIT>: LONG). Causal calls take it only on a step with
-    info["long_causal"], by its rule."""
+    info["long_causal"], by its rule. A third template argument (step19's <LONG, SPLIT, CAUSAL>) says whether the kernel
+    has the causal paths: causal calls need them, and dense ones are meant to run without."""
     needs_long_tiling(mod)
     batch, heads, heads_k, nq, nk = long_shape(mod, shape)
     q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k)
@@ -593,6 +594,8 @@ def test_the_launcher_picks_the_tiling_the_shape_calls_for(mod, shape):
         assert len(names) == 1, names
         long = re.search(r"attention_fwd_kernel<(true|false)\b", names[0])  # its first template argument (step18: <LONG, SPLIT>)
         assert long and (long.group(1) == "true") == want, f"{'x'.join(map(str, (batch, heads, nq, nk)))} causal {causal}: {names[0]}"
+        paths = re.search(r"attention_fwd_kernel<\w+, \w+, (true|false)>", names[0])
+        assert not paths or (paths.group(1) == "true") == bool(causal), f"causal {causal} ran {names[0]}"
 
 
 def test_long_tiling_is_deterministic(mod):
@@ -606,7 +609,7 @@ def test_long_tiling_is_deterministic(mod):
         assert torch.equal(o1, o2) and torch.equal(lse1, lse2), f"two calls differ (causal {causal}): a race? {replay()}"
 
 
-# A step with a split tail (info["workspace"]: step18): a dense call whose work tiles leave the grid's last turn partly
+# A step with a split tail (info["workspace"]: steps 18-19): a dense call whose work tiles leave the grid's last turn partly
 # empty has that turn's tiles cut along their K/V walks, the pieces dealt out evenly to the CTAs and merged by the one
 # that holds each walk's start. The counts below are for a GPU of 132 SMs (H100 SXM, H200); elsewhere they are
 # other splits, checked all the same. (batch, heads, heads_k, seqlen_q, seqlen_k):
