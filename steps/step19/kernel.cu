@@ -39,8 +39,10 @@
 //   the run's noise (0.996x at 8K, 1.005x at 4K). At 1K FA3's cell fell in a slow clock phase, so the 1.17x says
 //   nothing of the kernels; step19 ran 1.014x step18 there. Causal (step18's kernel): 619.9 / 661.7 / 687.4 TFLOP/s at
 //   4K / 8K / 16K, 0.98 / 1.01 / 1.00x FA3; grouped heads 624.9 / 669.1 / 691.4, 0.99 / 1.01 / 1.01x.
-// CHECKED (results/h200/2026-12-02-step19/checks.log, broken-sass.log, broken-launcher.log): every GPU check passed on
-//   this build (184 in 89.85 s). Broken builds fail the checks meant for them: the dense kernels left with the causal
+// CHECKED (results/h200/2026-12-02-step19/checks.log, broken-sass.log, broken-launcher.log, sanitizer_*.txt): every GPU
+//   check passed on this build (184 in 89.85 s); compute-sanitizer found no error (memcheck: dense 1 x 17 x 1024 x 1024,
+//   the split taken, and 1 x 68 x 256 x 4096; causal top left, 16 heads over 4, 4096 x 4096) and no hazard (racecheck,
+//   1 x 17 x 1024 x 1024). Broken builds fail the checks meant for them: the dense kernels left with the causal
 //   paths and the causal kernels without them, the SASS check (no GPU); dense calls sent to the causal kernel, whose
 //   numbers stay right, the launcher's check on the kernel's name.
 #include <climits>
