@@ -10,15 +10,15 @@
 //   The kernel takes a third template parameter, CAUSAL (attention_fwd_kernel<LONG, SPLIT, CAUSAL>). Dense kernels
 //   (CAUSAL false) work on a copy of the params whose causal field is the constant 0, so the compiler folds every test
 //   of p.causal and drops the causal paths: the pair's walk, the pass-over, the masked K/V tiles, the long-short order
-//   of the work tiles. Causal calls run <LONG, false, true>, step18's <LONG, false> kernel instruction for instruction
+//   of the work tiles. Causal calls run <LONG, false, true>, step18's <LONG, false> kernel opcode for opcode
 //   (test_sass.py ties them, and checks that the dense kernels lost the paths); the launcher picks the kernel by
 //   p.causal, then by the split, as before. Nothing else changed: the same tilings, the same split tail (dense calls
 //   only, so there is no <LONG, true, true>).
 //
-// WHY (results/h200/2026-12-02-short-shapes/short-2.log; NOTES.md, the entry on the short shapes): timed in three
-//   rounds of alternating order, step18 ran 236.5 us at 1K (0.975x FA3) and 428.0 at 2K (0.996x), where step14's
-//   kernel, which has no causal paths, ran 229.5 (1.005x) and 422.9 (1.008x). A build of step18 whose dense calls had
-//   the causal field folded to 0 (`v18d`) ran 231.7 (0.995x) and 422.3 (1.010x): the causal paths, never taken by a
+// WHY (results/h200/2026-12-02-short-shapes/short-2.log, sass-size.txt; NOTES.md, the entry on the short shapes):
+//   timed in three rounds of alternating order, step18 ran 236.5 us at 1K (0.975x FA3) and 428.0 at 2K (0.996x),
+//   where step14's kernel, which has no causal paths, ran 229.5 (1.005x) and 422.9 (1.008x). A build of step18 whose
+//   dense calls had the causal field folded to 0 (`v18d`) ran 231.7 (0.995x) and 422.3 (1.010x): the causal paths, never taken by a
 //   dense call, cost its short kernels 240 and 296 SASS instructions (2952 and 3856 against 3192 and 4152) and about
 //   2% at 1K and 1.3% at 2K, where a work tile's set-up and end weigh most against its few K/V tiles.
 //
