@@ -640,7 +640,7 @@ def bind_step(module_name: str):
     archs = lib.flashladder_archs().decode().split(",")  # e.g. sm_80,...,sm_120,compute_80 (common/build_step.py)
     # Dynamic shared memory per block, exported by the steps that run on GPUs with less of it than Hopper's 227 KB.
     smem_bytes = lib.flashladder_smem_bytes() if hasattr(lib, "flashladder_smem_bytes") else None
-    # A second tiling for long sequences, exported by the steps that have one (steps 16-19): its K/V tile, and the
+    # A second tiling for long sequences, exported by the steps that have one (steps 16-20): its K/V tile, and the
     # seqlen_k from which the launcher picks it for calls without a mask (step17: causal ones too, by long_causal's rule)
     # and with an even number of Q tiles.
     long_tile = ((lib.flashladder_long_tile_k(), lib.flashladder_long_min_seqlen_k())

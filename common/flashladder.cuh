@@ -44,6 +44,7 @@ constexpr bool flashladder_same_string(const char* a, const char* b) {
 
 constexpr int HEAD_DIM = 128;  // the ladder's one head size (docs/ladder.md: fixed scope)
 constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) = 2^(x * LOG2E), so a softmax can use ex2
+constexpr float LN2 = 0.6931471805599453f;    // ln(2): log(x) = log2(x) * LN2, so an LSE can use lg2
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 

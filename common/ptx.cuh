@@ -111,6 +111,18 @@ __device__ __forceinline__ float ex2_approx_ftz(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+// 1 / x and log2(x) on the MUFU unit, one instruction each (about 23 bits; 1.f / x and logf are IEEE-exact and take
+// a Newton step with a slow path, a polynomial). PTX ISA: "Floating Point Instructions: rcp.approx, lg2".
+__device__ __forceinline__ float rcp_approx_ftz(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float lg2_approx_ftz(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Named barriers (the hardware barriers behind __syncthreads, which uses id 0)
