@@ -1,5 +1,6 @@
 """Variants of step19 against step19 at dense, ragged, causal and grouped shapes: bitwise, else the largest differences."""
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -7,12 +8,12 @@ import torch
 from verify import steps as S
 from verify.variants import build_variant
 
-from concurrent.futures import ThreadPoolExecutor
 with ThreadPoolExecutor(8) as pool:  # every build at once (step19's and the variants')
     steps_built = pool.submit(S.build, ["step19"])
     built = list(pool.map(lambda f: build_variant(Path(f)), sys.argv[1:]))
     steps_built.result()
 import os
+
 ref = S.load("step19")
 if os.environ.get("REF"):  # a variant as the reference
     ref = S.load(build_variant(Path(os.environ["REF"]))[0])
@@ -29,4 +30,5 @@ for name, rep in built:
         fin = bool(torch.isfinite(o2).all())
         do = (o1.float() - o2.float()).abs().max().item()
         dl = (l1 - l2)[torch.isfinite(l1)].abs().max().item()
-        print(f"  {name} vs step19 {b}x{h}/{hk}x{nq}x{nk} {causal}: {'same' if same else 'DIFFERENT'} max|dO| {do:.3g} max|dLSE| {dl:.3g} finite {fin}", flush=True)
+        print(f"  {name} vs step19 {b}x{h}/{hk}x{nq}x{nk} {causal}: {'same' if same else 'DIFFERENT'}"
+              f" max|dO| {do:.3g} max|dLSE| {dl:.3g} finite {fin}", flush=True)
