@@ -1,4 +1,5 @@
 """Variants of step19 against step19 at dense, ragged, causal and grouped shapes: bitwise, else the largest differences."""
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,8 +13,6 @@ with ThreadPoolExecutor(8) as pool:  # every build at once (step19's and the var
     steps_built = pool.submit(S.build, ["step19"])
     built = list(pool.map(lambda f: build_variant(Path(f)), sys.argv[1:]))
     steps_built.result()
-import os
-
 ref = S.load("step19")
 if os.environ.get("REF"):  # a variant as the reference
     ref = S.load(build_variant(Path(os.environ["REF"]))[0])
