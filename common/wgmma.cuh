@@ -25,6 +25,14 @@
 
 constexpr int WARPGROUP_THREADS = 128;  // 4 warps: the unit that issues a wgmma
 
+// The accumulator fragment above, by its coordinates: the register of row g + 8 r (r = 0, 1) and column 8 nb + 2 t + i
+// (i = 0, 1) of a thread of lane g * 4 + t, in 8-column block nb. Indexed with constants (unrolled loops), it is that
+// register, as d[4 nb + 2 r + i] is.
+template <int N>
+__device__ __forceinline__ float& frag_at(float (&d)[N], int nb, int r, int i) { return d[4 * nb + 2 * r + i]; }
+template <int N>
+__device__ __forceinline__ float frag_at(const float (&d)[N], int nb, int r, int i) { return d[4 * nb + 2 * r + i]; }
+
 // ---- matrix descriptors ----
 // A 64-bit description of a matrix in shared memory (PTX ISA: "Asynchronous Warpgroup Level Matrix
 // Shared Memory Layout: Matrix Descriptor Format"):
