@@ -90,6 +90,9 @@ def load_library(path: Path) -> ctypes.CDLL:
     if hasattr(lib, "flashladder_workspace_bytes"):
         lib.flashladder_workspace_bytes.restype = ctypes.c_int64
         lib.flashladder_workspace_bytes.argtypes = [ctypes.c_int]
+    if hasattr(lib, "flashladder_pair_min_seqlen_k"):
+        lib.flashladder_pair_min_seqlen_k.restype = ctypes.c_int
+        lib.flashladder_pair_min_seqlen_k.argtypes = [ctypes.c_int]
     if lib.flashladder_params_size() != ctypes.sizeof(FwdParams):
         raise ImportError(f"{path}: sizeof(FwdParams) is {lib.flashladder_params_size()} in the library but "
                           f"{ctypes.sizeof(FwdParams)} in the binding's ctypes mirror: the two disagree, fix the mirror")
@@ -640,13 +643,11 @@ def bind_step(module_name: str):
     archs = lib.flashladder_archs().decode().split(",")  # e.g. sm_80,...,sm_120,compute_80 (common/build_step.py)
     # Dynamic shared memory per block, exported by the steps that run on GPUs with less of it than Hopper's 227 KB.
     smem_bytes = lib.flashladder_smem_bytes() if hasattr(lib, "flashladder_smem_bytes") else None
-    # A second tiling for long sequences, exported by the steps that have one (steps 16-20): its K/V tile, and the
-    # seqlen_k from which the launcher picks it for calls without a mask (step17: causal ones too, by long_causal's rule)
-    # and with an even number of Q tiles.
-    long_tile = ((lib.flashladder_long_tile_k(), lib.flashladder_long_min_seqlen_k())
-                 if hasattr(lib, "flashladder_long_tile_k") else (None, None))
-    # Whether causal calls take it too (step17: with causal_offset >= 0 and whole quadruples of Q tiles per head).
-    long_causal = bool(lib.flashladder_long_causal()) if hasattr(lib, "flashladder_long_causal") else False
+    # CTA pairs, exported by the steps that run some calls in them: the seqlen_k from which the launcher takes them for
+    # dense calls (with an even number of Q tiles) and for causal ones (the diagonal at or right of the top-left one, a
+    # multiple of 4 Q tiles per head); None where it never does.
+    pairs = ([lib.flashladder_pair_min_seqlen_k(causal) or None for causal in (0, 1)]
+             if hasattr(lib, "flashladder_pair_min_seqlen_k") else [None, None])
     # What the step takes beyond dense attention with equal heads (FEATURE_CAUSAL, FEATURE_GQA).
     features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
     # A workspace, for the steps that export its size (steps 18-19: the split tail's partial outputs and flags): one per device
@@ -763,8 +764,8 @@ def bind_step(module_name: str):
 
     attention.__module__ = attention_out.__module__ = sdpa.__module__ = module_name
     info = {"step": step, "seqlen_multiple_q": seqlen_multiple[0], "seqlen_multiple_k": seqlen_multiple[1],
-            "tile_q": tile[0], "tile_k": tile[1], "long_tile_k": long_tile[0], "long_min_seqlen_k": long_tile[1],
-            "long_causal": long_causal, "workspace": workspace_bytes is not None,
+            "tile_q": tile[0], "tile_k": tile[1], "pair_min_seqlen_k": pairs[0], "causal_pair_min_seqlen_k": pairs[1],
+            "workspace": workspace_bytes is not None,
             "archs": archs, "runs_on": runs_on(archs), "smem_bytes": smem_bytes,
             "causal": bool(features & FEATURE_CAUSAL), "gqa": bool(features & FEATURE_GQA),
             "library": lib._name,

@@ -2,51 +2,28 @@
 //
 // The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
-// 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent
-// -> 15 causal and grouped heads, the first step past the dense fourteen.
+// 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent ->
+// 15 causal and grouped heads.
 //
 // WHAT CHANGED FROM STEP14
-//   A causal mask (p.causal): row i sees key j only if j <= i + p.causal_offset (0: SDPA's is_causal, the diagonal
-//   from the top left; seqlen_k - seqlen_q: from the bottom right, a KV cache's). Three parts:
-//   * Tiles above the diagonal are never loaded or computed. kv_range gives each work tile the keys some row of it
-//     sees, and the producer and the consumers walk only those tiles. A work tile whose rows see no key at all
-//     (bottom right, seqlen_q > seqlen_k) loads nothing: its consumers store O = 0 and LSE = -inf.
-//   * Only the tiles the diagonal crosses are masked. The walk runs from the last K/V tile to the first (as in
-//     step14), so they come first: GEMM block 0 masks (as it did for a partial last tile), and the blocks after it
-//     that are still crossed run a second instantiation of the steady block, gemm_block_steady<true>. The rest run
-//     gemm_block_steady<false>, step14's block, which pays nothing for the mask. Rows with every key of a tile
-//     masked get a guarded shift (exp2 of -inf - -inf would be NaN); a row that sees no key stores O = 0, LSE = -inf.
-//   * A balanced schedule. The work tile of query tile i sees about i + 1 K/V tiles, so step14's round robin
-//     gives some CTAs more work than others. Now each CTA takes pairs of tiles of one head: the longest and the
-//     shortest, the second longest and the second shortest..., every pair about the same work (work_tile, next_tile).
-//   Grouped heads (p.heads_k < p.heads: GQA, and MQA with one K/V head): query head h reads K/V head
-//   h / (heads / heads_k), a different coordinate in the producer's TMA copies (and the K/V tensor maps' head count). The query heads of
-//   one group are neighbours in the schedule (q tiles fastest, then heads), so the CTAs that share a K/V tile run
-//   at about the same time and read it from L2: it leaves HBM about once per group, with no copy made.
-//   Non-causal calls with equal heads take step14's path, but for a few integer operations per work tile and the
-//   first block's guarded shift.
-//
-// PREDICTION: causal work is half the dense work, and each work tile pays the masked diagonal tile in full (half of
-//   it wasted), so per FLOP counted (the unmasked half) causal runs below dense: at N = 4K (32 K/V tiles per row
-//   at most, 16.5 on average) about 1 - 0.5/16.5 = 97% of dense from the wasted half tile, less the schedule's
-//   imbalance (pairs of equal work: 1024 pairs over 132 CTAs, 8 against 7.76, 97%; step14's round robin: 89-93%
-//   at 4K-8K, 64% at 16K, where 132 CTAs walk 128 tiles of one head): ~94% of step14's dense
-//   TFLOP/s, ~1.10x SDPA's causal cuDNN. GQA: the same speed as with equal heads. Non-causal: step14's speed.
-// MEASURED (results/h200/2026-12-01T16-28-07Z.json, H200, steady state, N = 4K / 8K / 16K): causal, 16 heads,
-//   605.6 / 637.7 / 657.7 TFLOP/s (counting the unmasked half), 1.14 / 1.15 / 1.15x SDPA's causal cuDNN (530.8 /
-//   554.6 / 572.4) and 0.97x FlashAttention-3's causal at each N (627.2 / 656.6 / 675.0); against step14's dense
-//   671.8 / 685.6 / 688.9, below the prediction at 4K and above it at 16K. Causal with Llama-3-8B's 32 query heads
-//   over 8 K/V heads: 604.6 / 640.2 / 656.0, 1.10 / 1.12 / 1.12x cuDNN, 0.95 / 0.97 / 0.97x FA3: grouped heads cost
-//   nothing. Non-causal: 668.4 / 684.7 / 690.8, step14's speed (0.99 / 1.00 / 1.00x). Causal, FA3 leads by more than
-//   it leads dense by (step14 is 1.00 / 0.99 / 0.99x FA3 dense in the same run); where the rest goes is not measured.
-// ON THE WAY (results/h200/2026-12-01-step15-scheduler/ab15.log, interleaved windows, not the sustained method;
-//   source at git show f33d664:notes/variants/step15-dynamic/kernel.cu): FlashAttention-3's causal scheduler, the
-//   longest tile left handed out at run time (an atomic count in global memory) over sections of heads that fit in
-//   L2, instead of the pairs: 547 / 596 / 623 against the pairs' 563 / 601 / 623 TFLOP/s causal. Not kept.
-//   A head with an odd number of Q tiles first paired its middle tile with the next head's longest; its last pair
-//   now holds the middle tile alone (tiles_per_head). The shapes of record have even counts, so their schedule, and
-//   the figures above, are the same; step15's GPU checks passed with it
-//   (results/h200/2026-12-01-step15-scheduler/checks-pairs-within-heads.log).
+//   A causal mask (p.causal): row i sees key j only if j <= i + p.causal_offset (0: SDPA's is_causal, from the top
+//   left; seqlen_k - seqlen_q: from the bottom right, a KV cache's). Tiles above the diagonal are neither loaded nor
+//   computed (kv_range); the walk runs from the last K/V tile down, so the tiles the diagonal crosses come first and
+//   only they are masked (gemm_block_steady<true>); a row that sees no key stores O = 0 and LSE = -inf. A balanced
+//   schedule: the work tiles of a head come in pairs of equal work, the longest with the shortest (work_tile).
+//   Grouped heads (p.heads_k < p.heads): query head h reads K/V head h / (heads / heads_k), neighbours in the schedule,
+//   so a K/V tile leaves HBM about once per group and is served from L2 to the rest; no copy of K/V is made.
+//   Dense calls with equal heads run step14's code but for a few integer operations per work tile.
+// WHY: a language model's prefill is causal, and Llama 3, Qwen and Mistral group their K/V heads.
+// PREDICTION: causal at ~94% of step14's dense TFLOP/s (the masked half of each diagonal tile, and the schedule's
+//   imbalance), ~1.10x SDPA's causal cuDNN; grouped heads as fast as equal ones; dense calls at step14's speed.
+// MEASURED (results/h200/2026-12-01T16-28-07Z.json): causal 605.6 / 637.7 / 657.7 TFLOP/s at N = 4K / 8K / 16K,
+//   1.14 / 1.15 / 1.15x SDPA's causal cuDNN, 0.97x FA3's causal; Llama-3-8B's 32 over 8 heads 604.6 / 640.2 / 656.0;
+//   dense at step14's speed. FA3's causal scheduler (the longest tile left, drawn at run time) ran no faster than the
+//   pairs: results/h200/2026-12-01-step15-scheduler/README.md.
+// CHECKED: the GPU checks of causal calls in both corners (ragged, rows and whole tiles that see no key, peaked and
+//   large values, grouped and multi-query heads) in verify/tests/test_steps_gpu.py; the run of record's log says they
+//   passed on this build (results/h200/README.md names the run).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -57,10 +34,12 @@
 
 namespace {
 
+// ==== Sizes ====
 constexpr int BLOCK_M = 128;                          // query rows per work tile
 constexpr int BLOCK_N = 128;                          // keys per K/V tile
 constexpr int NUM_CONSUMERS = 2;                      // consumer warpgroups, each computes 64 query rows with wgmma
 constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * WARPGROUP_THREADS;  // warpgroup 0: the producer
+constexpr int CONSUMER_THREADS = NUM_CONSUMERS * WARPGROUP_THREADS;  // the two that take turns on the tensor cores
 constexpr int ROWS_PER_WARPGROUP = BLOCK_M / NUM_CONSUMERS;  // 64: wgmma's M
 constexpr int S_BLOCKS = BLOCK_N / 8;                 // S: 16 blocks of 8 keys, 4 registers each per thread
 constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 blocks of 8 dims, 4 registers each per thread
@@ -80,13 +59,14 @@ constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);           // 32: 16 colu
 constexpr int KSTEPS_PER_HALF = TMA_HALF_COLS / 16;               // k-steps 0-3 read half 0, 4-7 half 1
 constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES, KV_HALF_BYTES = BLOCK_N * ROW_BYTES;
 
-// Shared memory. The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the
-// address bits 4-9, and the wgmma descriptors (base offset 0) assume the atoms start on 1024 bytes.
+// ==== Shared memory, barriers, the ring ====
+// The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the address bits 4-9, and the
+// wgmma descriptors (base offset 0) assume the atoms start on 1024 bytes.
 struct alignas(1024) SharedStorage {
     __nv_bfloat16 Q[BLOCK_M * HEAD_DIM];          // [2 halves, BLOCK_M, 64]
     __nv_bfloat16 K[STAGES][BLOCK_N * HEAD_DIM];  // [2 halves, BLOCK_N, 64] per slot
     __nv_bfloat16 V[STAGES][BLOCK_N * HEAD_DIM];
-    __nv_bfloat16 O_acc[NUM_CONSUMERS][ROWS_PER_WARPGROUP * HEAD_DIM];  // each consumer's output, [2 halves, 64, 64]
+    __nv_bfloat16 O[NUM_CONSUMERS][ROWS_PER_WARPGROUP * HEAD_DIM];  // each consumer's output tile, [2 halves, 64, 64]
     uint64_t Q_full, Q_empty;                     // Q has landed / both consumers are done with it (a phase per tile)
     uint64_t K_full[STAGES], V_full[STAGES];      // slot s holds its tile: the producer's expect_tx + TMA bytes
     uint64_t K_empty[STAGES], V_empty[STAGES];    // every consumer warp is done with slot s: it may be refilled
@@ -108,9 +88,9 @@ struct Turn {
         : mine(consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN), other(consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN) {}
     __device__ void take(int kv_tile) const {
         TRACE_SPAN(TRACE_TURN_WAIT_BEGIN, kv_tile);
-        named_barrier_sync(mine, NUM_CONSUMERS * WARPGROUP_THREADS);
+        named_barrier_sync(mine, CONSUMER_THREADS);
     }
-    __device__ void pass() const { named_barrier_arrive(other, NUM_CONSUMERS * WARPGROUP_THREADS); }
+    __device__ void pass() const { named_barrier_arrive(other, CONSUMER_THREADS); }
 };
 
 // The ring's phases. A slot's n-th fill (n = count / STAGES, count = K/V tiles through the ring so far)
@@ -122,9 +102,10 @@ __device__ __forceinline__ void wait_full(uint64_t* full, int count, int kv_tile
     mbarrier_wait_parity(full, full_parity(count));
 }
 
-// The tile scheduler. Work tile t is (q_tile, head, batch), q_tile fastest: the CTAs that run at the same time
-// work on neighbouring Q tiles of the same few (batch, head) pairs, so each K/V tile is read from HBM once and
-// then served from L2. The grid has one CTA per SM, and CTA b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ...
+// ==== The tile scheduler ====
+// Work tile t is (q_tile, head, batch), q_tile fastest: the CTAs that run at the same time work on neighbouring Q
+// tiles of the same few (batch, head) pairs, so each K/V tile is read from HBM once and then served from L2. The grid
+// has one CTA per SM and takes the work tiles in rounds: CTA b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ...
 // Causal: tiles come in pairs of equal work. Within a head, tile 2i is the i-th longest Q tile and tile 2i + 1 the
 // i-th shortest, and CTA b takes the pairs b, b + gridDim.x, ... (both tiles of a pair, one after the other). A head
 // with an odd number of Q tiles ends in a pair whose second tile is no tile (q_tile -1, skipped): its middle tile goes
@@ -136,18 +117,18 @@ __host__ __device__ __forceinline__ int tiles_per_head(const FwdParams& p) {
     const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M);
     return p.causal ? 2 * ceil_div(q_tiles, 2) : q_tiles;  // causal: whole pairs
 }
+__host__ __device__ __forceinline__ int num_work_tiles(const FwdParams& p) { return tiles_per_head(p) * p.heads * p.batch; }
 __device__ __forceinline__ WorkTile work_tile(int t, const FwdParams& p) {
     const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M), i = t % tiles_per_head(p), j = i / 2;
     const int q_tile = !p.causal ? i : i % 2 == 0 ? q_tiles - 1 - j : j < q_tiles - 1 - j ? j : -1;  // long, short, ...
     return {q_tile, t / tiles_per_head(p) % p.heads, t / tiles_per_head(p) / p.heads};
 }
-__host__ __device__ __forceinline__ int num_work_tiles(const FwdParams& p) { return tiles_per_head(p) * p.heads * p.batch; }
-__host__ __device__ __forceinline__ int tiles_per_turn(const FwdParams& p) { return p.causal ? 2 : 1; }  // a pair, or one
+__host__ __device__ __forceinline__ int tiles_per_round(const FwdParams& p) { return p.causal ? 2 : 1; }  // a pair, or one
 // This CTA's work tiles: first_tile(p), then next_tile(t, p), ... while t < num_work_tiles(p).
-__device__ __forceinline__ int first_tile(const FwdParams& p) { return blockIdx.x * tiles_per_turn(p); }
+__device__ __forceinline__ int first_tile(const FwdParams& p) { return blockIdx.x * tiles_per_round(p); }
 __device__ __forceinline__ int next_tile(int t, const FwdParams& p) {
-    const int n = tiles_per_turn(p);
-    return (t + 1) % n ? t + 1 : t + 1 + (gridDim.x - 1) * n;  // the pair's second tile, or the next turn's first
+    const int n = tiles_per_round(p);
+    return (t + 1) % n ? t + 1 : t + 1 + (gridDim.x - 1) * n;  // the pair's second tile, or the next round's first
 }
 // The K/V tiles a work tile visits: `tiles` from key 0 up to the last key that one of its rows sees (0: no row sees a
 // key), of which the last `masked` hold keys that some row of it must not see (past seqlen_k, or right of the
@@ -169,6 +150,7 @@ __device__ __forceinline__ KvRange kv_range(const WorkTile& w, const FwdParams& 
 // tiles the diagonal crosses) are the first ones, so only the first GEMM blocks mask.
 __device__ __forceinline__ int kv_row(int kv_tile, int num_kv_tiles) { return (num_kv_tiles - 1 - kv_tile) * BLOCK_N; }
 
+// ==== The producer ====
 // One thread asks the TMA unit for a [ROWS, HEAD_DIM] tile starting at `row` of (head, batch): two boxes of
 // [ROWS, 64] (the two swizzled halves), both completing on `bar`, which first learns how many bytes to expect.
 // Rows past the tensor's end arrive as zeros.
@@ -178,20 +160,9 @@ __device__ void load_tile_tma(__nv_bfloat16* dst_smem, const CUtensorMap* map, i
     cp_async_bulk_tensor_4d_global_to_shared(dst_smem, map, 0, row, head, batch, bar);
     cp_async_bulk_tensor_4d_global_to_shared(dst_smem + ROWS * TMA_HALF_COLS, map, TMA_HALF_COLS, row, head, batch, bar);
 }
-
-// Max / sum over the 4 threads of a quad (lanes 4r..4r+3 of a warp hold one query row).
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-// The producer: one thread keeps the ring full, across all the work tiles of this CTA. For each tile: Q,
-// once both consumers are done with the previous tile's Q; then every K/V tile, each into the next ring slot
-// once it is empty. The ring's count runs on across tiles, and so do the slots' phases.
+// The producer: one thread keeps the ring full, across all the work tiles of this CTA. For each tile: Q, once both
+// consumers are done with the previous tile's Q; then each of its K/V tiles, each into the next ring slot once it is
+// empty. The ring's count runs on across work tiles, and so do the slots' phases.
 __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUtensorMap& Q_map, const CUtensorMap& K_map,
                               const CUtensorMap& V_map) {
     prefetch_tensormap(&Q_map), prefetch_tensormap(&K_map), prefetch_tensormap(&V_map);
@@ -230,6 +201,19 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
     }
 }
 
+// ==== The consumers: the accumulator's rows ====
+// An accumulator fragment (common/wgmma.cuh: frag_at) holds two rows of this lane, r = 0 (quad_row) and r = 1
+// (quad_row + 8), each spread over the 4 lanes of a quad. Max / sum over those 4 lanes:
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ==== The consumers: GEMM blocks and the online softmax ====
 // A consumer warpgroup: 64 query rows of every work tile, in registers. The tensor-core work between two
 // softmaxes is one GEMM block: S = Q K^T of K/V tile j, then O += P V of tile j-1, two commit groups issued on
 // this consumer's turn. The first block holds only S of tile 0, the last only the P V of the last tile:
@@ -240,21 +224,23 @@ struct MmaWarpgroup {
     const FwdParams& p;
     const int index;               // 0 or 1: rows 64 * index .. 64 * index + 63 of the work tile
     const Turn turn;
+    const int barrier;             // EPILOGUE0 or EPILOGUE1: this warpgroup's own named barrier
     const int lane, warp;          // warp 0-3 of this warpgroup: rows 16 * warp .. 16 * warp + 15 of its 64
     const int quad_row;            // this lane holds rows quad_row and quad_row + 8 of its warp's 16
     const int quad_col;            // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
     const uint32_t Q_rows;         // this warpgroup's 64 rows of Q at k-step 0: the A operand of S = Q K^T
     const float scale_log2;        // softmax scale * log2(e): exp(x * scale) = 2^(x * scale_log2)
-    float S_acc[S_BLOCKS * 4];     // S_acc[4 * nb + i]: key block nb, i as in mma's D fragment (common/wgmma.cuh)
-    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: O_acc[4 * db + i] likewise
+    float S_acc[S_BLOCKS * 4];     // S = Q K^T of a K/V tile: frag_at(S_acc, nb, r, i) is key 8 nb + 2 quad_col + i
+    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: frag_at(O_acc, db, r, i) likewise
     uint32_t P_frag[PV_STEPS][4];  // the last softmax's P in bf16: the A operand of the next O += P V
     float m_i[2];                  // running max of rows quad_row, quad_row+8 (RAW scores)
     float l_i[2];                  // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
     float alpha[2];                // ... and the rescale factor of the last softmax
 
     __device__ MmaWarpgroup(SharedStorage& smem_, const FwdParams& p_, int index_)
-        : smem(smem_), p(p_), index(index_), turn(index_), lane(threadIdx.x % 32), warp(threadIdx.x / 32 % 4), quad_row(lane / 4),
-          quad_col(lane % 4), Q_rows(smem_u32(smem_.Q) + index_ * ROWS_PER_WARPGROUP * ROW_BYTES), scale_log2(p_.scale * LOG2E) {}
+        : smem(smem_), p(p_), index(index_), turn(index_), barrier(index_ == 0 ? EPILOGUE0 : EPILOGUE1), lane(threadIdx.x % 32),
+          warp(threadIdx.x / 32 % 4), quad_row(lane / 4), quad_col(lane % 4),
+          Q_rows(smem_u32(smem_.Q) + index_ * ROWS_PER_WARPGROUP * ROW_BYTES), scale_log2(p_.scale * LOG2E) {}
 
     // S = Q K^T: 8 SS wgmma, one per 16-wide k-step of the head dim (32 bytes further inside an atom, or in
     // the other half).
@@ -282,8 +268,8 @@ struct MmaWarpgroup {
             if (p.causal) seen = min(seen, row + 1 + p.causal_offset);
             const int cols = seen - kv_row - 2 * quad_col;  // ... as this lane's columns of the tile
             for (int nb = 0; nb < S_BLOCKS; ++nb)
-                for (int i = 0; i < 2; ++i)  // S_acc[4 nb + 2 r + i] is key 8 nb + 2 quad_col + i of the tile
-                    if (8 * nb + i >= cols) S_acc[4 * nb + 2 * r + i] = -INFINITY;
+                for (int i = 0; i < 2; ++i)
+                    if (8 * nb + i >= cols) frag_at(S_acc, nb, r, i) = -INFINITY;
         }
     }
     // The softmax's first half, on S alone (it runs while this warpgroup's P V may still read P and write O):
@@ -297,8 +283,8 @@ struct MmaWarpgroup {
         float row_max[2];
         for (int r = 0; r < 2; ++r) {
             float m[4];
-            for (int j = 0; j < 4; ++j) m[j] = fmaxf(S_acc[4 * j + 2 * r], S_acc[4 * j + 2 * r + 1]);
-            for (int nb = 4; nb < S_BLOCKS; ++nb) m[nb % 4] = fmaxf(m[nb % 4], fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            for (int j = 0; j < 4; ++j) m[j] = fmaxf(frag_at(S_acc, j, r, 0), frag_at(S_acc, j, r, 1));
+            for (int nb = 4; nb < S_BLOCKS; ++nb) m[nb % 4] = fmaxf(m[nb % 4], fmaxf(frag_at(S_acc, nb, r, 0), frag_at(S_acc, nb, r, 1)));
             row_max[r] = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
         }
         for (int r = 0; r < 2; ++r) row_max[r] = quad_max(row_max[r]);
@@ -311,9 +297,9 @@ struct MmaWarpgroup {
             const float m_scaled = MASKED && m_new == -INFINITY ? 0.f : m_new * scale_log2;
             float row_sum = 0.f;
             for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one MUFU.EX2 per element
-                S_acc[4 * nb + 2 * r] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r], scale_log2, -m_scaled));
-                S_acc[4 * nb + 2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r + 1], scale_log2, -m_scaled));
-                row_sum += S_acc[4 * nb + 2 * r] + S_acc[4 * nb + 2 * r + 1];
+                frag_at(S_acc, nb, r, 0) = ex2_approx_ftz(fmaf(frag_at(S_acc, nb, r, 0), scale_log2, -m_scaled));
+                frag_at(S_acc, nb, r, 1) = ex2_approx_ftz(fmaf(frag_at(S_acc, nb, r, 1), scale_log2, -m_scaled));
+                row_sum += frag_at(S_acc, nb, r, 0) + frag_at(S_acc, nb, r, 1);
             }
             l_i[r] = alpha[r] * l_i[r] + row_sum;  // no shuffle: the quad's parts are added once, at the end
             m_i[r] = m_new;
@@ -321,24 +307,24 @@ struct MmaWarpgroup {
     }
     // The second half, once the previous P V is complete: rescale O (skipped when no row of the warp moved
     // its shift, a warp-uniform branch: after the first few tiles of a row the common case), and P for the
-    // next block (two neighbouring 8-key blocks of S, rounded to bf16).
+    // next block (two neighbouring 8-key blocks of S, rounded to bf16: mma's A fragment).
     __device__ void rescale_o_and_make_p() {
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
             for (int db = 0; db < O_BLOCKS; ++db) {
                 for (int r = 0; r < 2; ++r) {
-                    O_acc[4 * db + 2 * r] *= alpha[r];
-                    O_acc[4 * db + 2 * r + 1] *= alpha[r];
+                    frag_at(O_acc, db, r, 0) *= alpha[r];
+                    frag_at(O_acc, db, r, 1) *= alpha[r];
                 }
             }
         }
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            P_frag[kk][0] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 0], S_acc[8 * kk + 1]);  // row g,   keys +2t
-            P_frag[kk][1] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 2], S_acc[8 * kk + 3]);  // row g+8, keys +2t
-            P_frag[kk][2] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 4], S_acc[8 * kk + 5]);  // row g,   keys +8+2t
-            P_frag[kk][3] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 6], S_acc[8 * kk + 7]);  // row g+8, keys +8+2t
+            for (int r = 0; r < 2; ++r) {
+                P_frag[kk][r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, r, 0), frag_at(S_acc, 2 * kk, r, 1));              // keys +2t
+                P_frag[kk][2 + r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, r, 0), frag_at(S_acc, 2 * kk + 1, r, 1));  // keys +8+2t
+            }
         }
     }
-    __device__ void release(uint64_t* empty) const {  // this warp is done with a ring slot
+    __device__ void release(uint64_t* empty) const {  // this warp is done with a ring slot, or with Q
         if (lane == 0) mbarrier_arrive(empty);
     }
 
@@ -374,7 +360,7 @@ struct MmaWarpgroup {
     // GEMM blocks 1 .. n-1: S = Q K^T of tile j FIRST, then O += P V of tile j-1, as two commit groups. The
     // softmax of tile j needs only the first: it starts as soon as S is done (wait_group 1) and runs while the
     // tensor cores still work on this warpgroup's own P V (and then on the other consumer's block).
-    // MASKED: a tile the diagonal crosses (mask() before the softmax); the others are step14's block as it was.
+    // MASKED: a tile the diagonal crosses (mask() before the softmax).
     template <bool MASKED>
     __device__ void gemm_block_steady(int count, int kv_tile, int kv_row = 0, int q_row = 0) {
         const int stage = count % STAGES, prev_stage = (count - 1) % STAGES;
@@ -424,15 +410,15 @@ struct MmaWarpgroup {
         release(&smem.V_empty[stage]);
     }
 
-    // The epilogue through shared memory: the normalized O goes into this warpgroup's output tile in TMA's
-    // swizzled layout, and one thread stores it with two bulk tensor copies (one per 64-column half), which
-    // run on while the warpgroup starts its next work tile; TMA leaves out rows past seqlen_q. Before the
-    // tile is overwritten, the previous tile's store must have read it. LSE goes straight to global memory.
+    // ==== The epilogue ====
+    // Through shared memory: the normalized O goes into this warpgroup's output tile in TMA's swizzled layout, and
+    // one thread stores it with two bulk tensor copies (one per 64-column half), which run on while the warpgroup
+    // starts its next work tile; TMA leaves out rows past seqlen_q. Before the tile is overwritten, the previous
+    // tile's store must have read it. LSE goes straight to global memory.
     __device__ void epilogue(const WorkTile& w, const CUtensorMap& O_map, int t) {
         TRACE_SPAN(TRACE_EPILOGUE_BEGIN, t);
-        const int barrier = index == 0 ? EPILOGUE0 : EPILOGUE1;
         const bool elected = threadIdx.x % WARPGROUP_THREADS == 0;  // the thread that issues the TMA stores
-        __nv_bfloat16* O_tile = smem.O_acc[index];
+        __nv_bfloat16* O_tile = smem.O[index];
         if (elected) cp_async_bulk_wait_group_read<0>();
         named_barrier_sync(barrier, WARPGROUP_THREADS);  // the whole warpgroup knows O_tile is free
         for (int r = 0; r < 2; ++r) {
@@ -441,7 +427,7 @@ struct MmaWarpgroup {
             const int row = warp * 16 + quad_row + 8 * r;  // in this warpgroup's 64 rows
             for (int db = 0; db < O_BLOCKS; ++db)
                 *reinterpret_cast<__nv_bfloat162*>(O_tile + swizzle_tma_128b<ROWS_PER_WARPGROUP>(row, db * 8 + 2 * quad_col)) =
-                    __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
+                    __floats2bfloat162_rn(frag_at(O_acc, db, r, 0) * inv_l, frag_at(O_acc, db, r, 1) * inv_l);
             const int64_t q_row = int64_t(w.q_tile) * BLOCK_M + index * ROWS_PER_WARPGROUP + row;
             if (quad_col == 0 && q_row < p.seqlen_q)  // rows past seqlen_q (zeros from TMA) are computed, not stored
                 p.lse[(int64_t(w.batch) * p.heads + w.head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
@@ -462,8 +448,8 @@ struct MmaWarpgroup {
     }
 };
 
-// A consumer's work: the work tiles of this CTA (the producer walks the same list), each a sequence of GEMM
-// blocks on this consumer's turns. The ring's count runs on across work tiles, as the producer's does.
+// A consumer's work: the work tiles of this CTA (the producer walks the same list), each a sequence of GEMM blocks on
+// this consumer's turns. The ring's count runs on across work tiles, as the producer's does.
 __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUtensorMap& O_map, int index) {
     MmaWarpgroup wg(smem, p, index);
     int count = 0, iteration = 0;  // iteration: the work tiles that loaded a Q, as the producer counts them
@@ -482,8 +468,9 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
             if (index == 1) wg.turn.pass();  // consumer 0 takes the first turn of every work tile
             wg.gemm_block_first(count, kv.masked > 0, kv_row(0, kv.tiles), q_row);
             int kv_tile = 1;
-            for (; kv_tile < kv.masked; ++kv_tile) wg.gemm_block_steady<true>(count + kv_tile, kv_tile, kv_row(kv_tile, kv.tiles), q_row);
-            for (; kv_tile < kv.tiles; ++kv_tile) wg.gemm_block_steady<false>(count + kv_tile, kv_tile);
+            for (; kv_tile < kv.masked; ++kv_tile)
+                wg.template gemm_block_steady<true>(count + kv_tile, kv_tile, kv_row(kv_tile, kv.tiles), q_row);
+            for (; kv_tile < kv.tiles; ++kv_tile) wg.template gemm_block_steady<false>(count + kv_tile, kv_tile);
             wg.release(&smem.Q_empty);  // every S = Q K^T of this tile has completed: the producer may load the next Q
             wg.gemm_block_last(count + kv.tiles - 1, kv.tiles);
             count += kv.tiles;
@@ -493,9 +480,10 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUte
     wg.finish();
 }
 
-// The kernel: set up the barriers, then split by warpgroup into the two roles. The tensor maps are
-// kernel parameters (__grid_constant__): the TMA unit reads them from parameter memory. One block per SM;
-// the (threads, 1) launch bound caps registers at kernel entry (168), which setmaxnreg then redistributes.
+// ==== The kernel ====
+// Set up the barriers, then split by warpgroup into the two roles. The tensor maps are kernel parameters
+// (__grid_constant__): the TMA unit reads them from parameter memory. One block per SM; the (threads, 1) launch bound
+// caps registers at kernel entry (168), which setmaxnreg then redistributes.
 __global__ void __launch_bounds__(NUM_THREADS, 1)
     attention_fwd_kernel(const FwdParams p, const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
                          const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap O_map) {
@@ -528,7 +516,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
 
 }  // namespace
 
-// ---- host launcher: grid, block, shared memory, attributes ----
+// ==== The host: exports and the launcher ====
 FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return 1; }  // any seqlen: TMA fills and clips the last tiles
 FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return 1; }
 FLASHLADDER_EXPORT int flashladder_tile_q() { return BLOCK_M; }  // the work tiles (for tests and tools)
@@ -536,11 +524,11 @@ FLASHLADDER_EXPORT int flashladder_tile_k() { return BLOCK_N; }
 FLASHLADDER_EXPORT int flashladder_features() { return FLASHLADDER_FEATURE_CAUSAL | FLASHLADDER_FEATURE_GQA; }
 
 FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t stream) {
-    // 192 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
+    // 193 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
     cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
-    // The persistent grid: one CTA per SM (or fewer, when there are fewer turns: work tiles, or causal pairs). The SM count is read
-    // once per device.
+    // The persistent grid: one CTA per SM (or fewer, when there are fewer rounds: work tiles, or causal pairs of them).
+    // The SM count is read once per device.
     constexpr int MAX_DEVICES = 64;
     static int sm_count[MAX_DEVICES] = {};
     int device = 0;
@@ -550,8 +538,8 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
         if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
         if (device < MAX_DEVICES) sm_count[device] = sms;
     }
-    // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
-    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU); they travel to
+    // the GPU inside the launch's parameters.
     const FwdParams& p = *params;
     CUtensorMap Q_map, K_map, V_map, O_map;  // O: written in boxes of one consumer's 64 rows
     if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||
@@ -559,8 +547,8 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
         encode_tile_map(&V_map, p.v, p.v_stride, p.seqlen_k, p.heads_k, p.batch, BLOCK_N) != CUDA_SUCCESS ||
         encode_tile_map(&O_map, p.o, p.o_stride, p.seqlen_q, p.heads, p.batch, ROWS_PER_WARPGROUP) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;  // a layout the TMA unit cannot describe (the binding's checks should prevent it)
-    const int turns = ceil_div(num_work_tiles(p), tiles_per_turn(p));  // a CTA's work tiles come one or two at a time
-    const dim3 grid(turns < sms ? turns : sms);
+    const int rounds = ceil_div(num_work_tiles(p), tiles_per_round(p));  // a CTA's work tiles come one or two at a time
+    const dim3 grid(rounds < sms ? rounds : sms);
     attention_fwd_kernel<<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(p, Q_map, K_map, V_map, O_map);
     return cudaGetLastError();
 }

@@ -1,68 +1,24 @@
-// flashladder step18 -- the split tail: the grid's last, partial turn cut along the K/V walks and dealt out evenly.
+// flashladder step18 -- the split order: V waited for under S = Q K^T, one row's exponentials on each side of a wait.
 //
 // The ladder (docs/ladder.md): 01 plain CUDA -> 02 tensor cores -> 03 cp.async -> 04 swizzle ->
 // 05 double buffering -> 06 instruction diet -> 07 two row blocks per warp -> 08 TMA -> 09 wgmma ->
-// 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent
-// -> 15 causal and grouped heads -> 16 long sequences -> 17 causal in CTA pairs -> 18 the split tail.
+// 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent ->
+// 15 causal and grouped heads -> 16 CTA pairs -> 17 descriptors built once -> 18 the split order.
 //
 // WHAT CHANGED FROM STEP17
-//   The persistent grid takes the work tiles in turns, one per CTA (a pair per CTA pair), and the work tiles rarely
-//   fill the last turn: at the shapes of record (16K tokens of 16 heads) they are 2048 on 132 CTAs, 15 whole turns and
-//   68 tiles, which run while 64 SMs wait. Here a dense call's last turn is cut along its K/V walks instead (the split
-//   tail, tail_of): each CTA (pair) takes an even run of the tail's K/V tiles, pieces of one or two walks; a piece that
-//   does not start its walk stores its unnormalized O, shifts and row sums in a workspace (store_partial) and raises a
-//   flag, and the CTA whose piece starts the walk merges them in (merge_partials) and stores O and LSE. The pieces
-//   go through the same ring, GEMM blocks and epilogue as whole tiles (first_piece, next_piece). The split is a
-//   kernel of its own, attention_fwd_kernel<LONG, true>; causal calls, calls whose last turn is full and calls
-//   without a workspace run <LONG, false>, step17's kernel (test_sass.py ties the two, both tilings). The binding
-//   gives the step its workspace (FwdParams' workspace: about 9 MB on 132 SMs), one per device and stream, and none
-//   to a call captured into a CUDA graph.
-//
-// WHY (results/h200/2026-12-02-step18/tail.log: step16, step17 and FA3 at shapes whose work tiles fill whole turns,
-//   2112 tiles, beside the shapes of record's 2048 on 132 SMs): with 2112 / 2048 = 1.03 times the work in the same 16
-//   turns, step17 ran 617.2 against 607.3 TFLOP/s at 2K and 684.8 against 674.5 at 8K, FA3 620.0 against 608.1 and
-//   678.6 against 667.8: the half-empty last turn costs every kernel about 1.5%, half of what it would at a fixed clock
-//   (the idle SMs leave the busy ones more of the power cap). FlashAttention-3 runs its last turn as it falls.
-//
-// PREDICTION: up to 1.5% at every dense shape of record, less the merge; least at 1K and 2K, where a piece of 4 to 8
-//   K/V tiles still pays a work tile's set-up and end.
-// ON THE WAY (interleaved windows, the A/B scripts of results/h200/2026-12-02-step18/README.md):
-//   * A first build ran every call through the pieces (results/h200/2026-12-02-step18/ab-first-build.log): dense
-//     652.8 / 677.8 / 694.7 / 702.5 against step17's 649.7 / 671.4 / 689.9 / 696.9 TFLOP/s at 4K / 8K / 16K and the
-//     video shape, 1K and 2K within the windows' noise. Taken only from 4K keys (results/h200/2026-12-02-step18/ab-split-from-4k.log),
-//     1.001 / 1.001 / 1.000x at 1K / 2K / 4K: the split costs nothing where it does not pay, so every dense call takes it.
-//   * That build ran causal calls at 0.972 / 0.984x step17 at 4K / 8K and 0.985x with grouped heads
-//     (results/h200/2026-12-02-step18/ab-causal-first-build.log), though no causal call splits: the pieces' bounds,
-//     unknown to the compiler, changed step17's loop. Whole tiles first, then the tail's pieces, in two loops
-//     (results/h200/2026-12-02-step18/ab-two-loops.log): still 0.981 / 0.981x causal, and the dense gain gone (1.003x
-//     at 16K). Hence the split as a kernel of its own, its pieces' bounds constants in the other one.
-//   * CTA pairs from 1K or 2K keys, where the split alone does not pay (results/h200/2026-12-02-step18/ab-pairs-short.log):
-//     1.000 / 1.001x at 2K. Not kept.
-//   * On the committed build, with the split a kernel of its own (results/h200/2026-12-02-short-shapes/short-1.log, three
-//     rounds of the run of record's timer): taken only from 4K keys, 230.2 against 232.4 us at 1K and 431.3 against
-//     430.0 at 2K. The split kernel costs about 1% at 1K, where its tail is short, and pays a little at 2K; left as it is
-//     here (the next step's change, NOTES.md).
-// MEASURED (results/h200/2026-12-02T19-56-20Z.json, its table in results/h200/2026-12-02T19-56-20Z-logs/run.txt; H200,
-//   steady state): dense, N = 1K / 2K / 4K / 8K / 16K / video: 571.3 / 642.8 / 675.9 / 699.1 / 713.4 / 715.9 TFLOP/s
-//   against step17's 588.3 / 638.4 / 672.2 / 683.2 / 709.3 / 707.8 and FA3's 612.0 / 652.7 / 667.4 / 690.2 / 700.1 /
-//   704.0 in the same run: 0.93 / 0.98 / 1.01 / 1.01 / 1.02 / 1.02x FA3, 1.10 / 1.14 / 1.16x SDPA's cuDNN at 4K / 8K /
-//   16K (FA3 1.09 / 1.13 / 1.14x). At the video shape the split wins back what step17's 128-key tiles gave away (step16:
-//   714.1). Causal at 4K / 8K / 16K (step17's kernel): 616.2 / 662.1 / 687.5, 0.98 / 1.01 / 1.02x FA3; grouped heads
-//   624.0 / 666.7 / 690.6, 0.99 / 1.00 / 1.02x. The 1K column moves between runs by more than the split does: in the
-//   first build's run of record an hour before (results/h200/2026-12-02-step18/first-build-run.json) step18 ran 590.2
-//   and FA3 556.0 TFLOP/s at 1K.
-// CHECKED (results/h200/2026-12-02-short-shapes/checks.log, sanitizer_memcheck_1x17x1024.txt,
-//   sanitizer_memcheck_1x68x256x4096.txt, sanitizer_racecheck_1x17x1024.txt, broken.log, broken2.log; the split checks' first
-//   build: results/h200/2026-12-02-step18/broken-no-merge.log): on this build every GPU check passed (183 in 101.54 s),
-//   the split ones among them (last turns of 4 to 68 tiles, owners with up to 7 partials, ragged, grouped heads, both
-//   tilings, two streams at once, determinism, the workspace each stream and no captured call gets); compute-sanitizer
-//   found no error (memcheck, 1 x 17 x 1024 x 1024 and 1 x 68 x 256 x 4096) and no hazard (racecheck, 1 x 17 x 1024 x
-//   1024). Broken builds fail the checks meant for them: the split never taken, the split-taken check; the merge not
-//   waiting for its flags, the split checks; the long tiling from 8K keys, the launcher's; one workspace for every stream
-//   and a workspace made during a graph capture, the binding's workspace check (the two-streams check passed on the
-//   first: two calls' tails seldom overlap); the merge left out, six of the seven split shapes.
-#include <climits>
-
+//   The paired kernel's steady GEMM block reorders its waits and its softmax. V's slot is waited for after S = Q K^T
+//   is issued (not before the turn), so a late V no longer holds the turn. The softmax is cut in pieces
+//   (softmax_max, softmax_exp of a row, make_p of a row, rescale_o): the max of both rows and row 0's exponentials run
+//   under this warpgroup's P V, kept there by a store of their sums before the fence (ptxas would sink them below the
+//   wait); row 1's exponentials run after the wait, beside the conversion of P and the rescale of O, their shift made
+//   to depend on O so that ptxas cannot hoist them. The kernel of one CTA per cluster keeps step15's order.
+// WHY (results/h200/2026-12-01-fa3-recipe/ab-176parts.log, at N = 16K on the 176-key tile in pairs): FA3's order ran
+//   702.8 TFLOP/s, without it 674.4. Without the pairs it gained nothing at 128 keys (ab-s13split.log: 646.4 against
+//   647.1 on step13 at 16K), and on step15 it lost its clock (ab-s15split.log): it pays only where the pairs keep it.
+// PREDICTION: +1-2% from 4K keys up, where the paired kernel runs; nothing below.
+// MEASURED: see results/h200/README.md (the run of record of steps 14-22 beside SDPA's backends and FA3).
+// CHECKED: the checks of step16 on this build; test_sass.py: each stretch of the paired kernel from a wgmma wait for
+//   S to the wait for P V holds one row's MUFU.EX2 (32 to 40), where step17's holds both rows' (66 with nvcc 13.0).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -73,12 +29,17 @@
 
 namespace {
 
+// ==== Sizes ====
 constexpr int BLOCK_M = 128;                          // query rows per work tile
+constexpr int BLOCK_N = 128;                          // keys per K/V tile
 constexpr int NUM_CONSUMERS = 2;                      // consumer warpgroups, each computes 64 query rows with wgmma
 constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * WARPGROUP_THREADS;  // warpgroup 0: the producer
+constexpr int CONSUMER_THREADS = NUM_CONSUMERS * WARPGROUP_THREADS;  // the two that take turns on the tensor cores
 constexpr int ROWS_PER_WARPGROUP = BLOCK_M / NUM_CONSUMERS;  // 64: wgmma's M
+constexpr int S_BLOCKS = BLOCK_N / 8;                 // S: 16 blocks of 8 keys, 4 registers each per thread
 constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 blocks of 8 dims, 4 registers each per thread
 constexpr int QK_STEPS = HEAD_DIM / 16;               // k-steps of S = Q K^T over the head dim
+constexpr int PV_STEPS = BLOCK_N / 16;                // k-steps of O += P V over the keys
 constexpr int STAGES = 2;                             // K/V ring slots: compute one while the other fills
 // FlashAttention-4's conditional rescale: the running max (the shift of the exponentials) moves only when a
 // row's new max exceeds it by more than this, in log2 units; P stays <= 2^8 in between.
@@ -91,56 +52,33 @@ constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 constexpr int ROW_BYTES = TMA_HALF_COLS * sizeof(__nv_bfloat16);  // 128: one row of one half
 constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);           // 32: 16 columns, one k-step of Q K^T
 constexpr int KSTEPS_PER_HALF = TMA_HALF_COLS / 16;               // k-steps 0-3 read half 0, 4-7 half 1
-constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES;
+constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES, KV_HALF_BYTES = BLOCK_N * ROW_BYTES;
+// CTA pairs (PAIRED): the two CTAs of a cluster take neighbouring Q tiles of one head, walk the same K/V tiles, and
+// each loads one half of every K/V tile into both (TMA multicast). A dense call takes them with an even number of Q
+// tiles and at least this many keys. The other calls run one CTA per cluster.
+constexpr int PAIR_MIN_SEQLEN_K = 4096;
+__host__ __device__ constexpr int cluster_ctas(bool paired) { return paired ? 2 : 1; }
 
-// The two tilings, both of 128-key K/V tiles. SHORT (LONG = false): step15's, each CTA on its own. LONG: CTA pairs:
-// the two CTAs of a cluster work on neighbouring Q tiles of one head, walk the same K/V tiles, and each loads half of
-// every K/V tile into both (TMA multicast).
-template <bool LONG>
-struct Tiling {
-    static constexpr int BLOCK_N = 128;                // keys per K/V tile (step16's LONG: 176)
-    static constexpr int CLUSTER = LONG ? 2 : 1;       // CTAs that share each K/V tile
-    static constexpr int S_BLOCKS = BLOCK_N / 8;       // S: 16 blocks of 8 keys, 4 registers each per thread
-    static constexpr int PV_STEPS = BLOCK_N / 16;      // k-steps of O += P V over the keys
-    static constexpr int KV_HALF_BYTES = BLOCK_N * ROW_BYTES;
-};
-// The long tiling where it pays: an even number of Q tiles (whole pairs in every head), at least this many keys, and,
-// causal, a diagonal at or right of the top-left one (causal_offset >= 0: no row without keys) and whole quadruples of
-// Q tiles in every head (each causal turn of a pair is two neighbouring Q tiles, then two more: the schedule below).
-constexpr int LONG_MIN_SEQLEN_K = 4096;
-
-// What one tiling alone keeps. SHORT: each consumer's output tile, [2 halves, 64, 64]. LONG puts O into V's slot 0, as
-// step16 did, where Q and two slots of 176-key K and V left no room for it (at 128 keys it kept step16's way).
-template <bool LONG>
-struct TilingStorage {
-    __nv_bfloat16 O[NUM_CONSUMERS][ROWS_PER_WARPGROUP * HEAD_DIM];
-};
-template <>
-struct TilingStorage<true> {
-    float sums[NUM_CONSUMERS * WARPGROUP_THREADS];  // row 0's sums, stored to keep its exponentials before a wait
-    uint64_t O_free;                                // the output stores of both CTAs have read V's slot 0
-};
-// Shared memory. The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the
-// address bits 4-9, and the wgmma descriptors (base offset 0) assume the atoms start on 1024 bytes.
-template <bool LONG>
+// ==== Shared memory, barriers, the ring ====
+// The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the address bits 4-9, and the
+// wgmma descriptors (base offset 0) assume the atoms start on 1024 bytes.
 struct alignas(1024) SharedStorage {
-    static constexpr int BLOCK_N = Tiling<LONG>::BLOCK_N;
     __nv_bfloat16 Q[BLOCK_M * HEAD_DIM];          // [2 halves, BLOCK_M, 64]
     __nv_bfloat16 K[STAGES][BLOCK_N * HEAD_DIM];  // [2 halves, BLOCK_N, 64] per slot
     __nv_bfloat16 V[STAGES][BLOCK_N * HEAD_DIM];
-    TilingStorage<LONG> only;
+    __nv_bfloat16 O[NUM_CONSUMERS][ROWS_PER_WARPGROUP * HEAD_DIM];  // each consumer's output tile, [2 halves, 64, 64]
+    float sums[CONSUMER_THREADS];                 // PAIRED: row 0's sums, stored to keep its exponentials before a wait
     uint64_t Q_full, Q_empty;                     // Q has landed / both consumers are done with it (a phase per tile)
     uint64_t K_full[STAGES], V_full[STAGES];      // slot s holds its tile: the producer's expect_tx + TMA bytes
-    uint64_t K_empty[STAGES], V_empty[STAGES];    // every consumer warp (LONG: of both CTAs) is done with slot s
+    uint64_t K_empty[STAGES], V_empty[STAGES];    // every consumer warp (PAIRED: of both CTAs) is done with slot s
 };
-template <bool LONG>
-constexpr int SMEM_BYTES = sizeof(SharedStorage<LONG>);
+constexpr int SMEM_BYTES = sizeof(SharedStorage);
 constexpr int CONSUMER_WARPS = NUM_CONSUMERS * 4;  // the arrivals that empty a slot
 static_assert(NUM_CONSUMERS == 2, "ping-pong alternates exactly two consumer warpgroups");
 
 // Named barriers (ids 1-15; 0 is __syncthreads). EPILOGUE0/1: one consumer warpgroup's own 128 threads,
-// around its output tile in shared memory; EPILOGUE_BOTH: both consumers' 256 (LONG: before O goes into V's slot).
-enum NamedBarrier : int { CONSUMER0_TURN = 1, CONSUMER1_TURN = 2, EPILOGUE0 = 3, EPILOGUE1 = 4, EPILOGUE_BOTH = 5 };
+// around its output tile in shared memory.
+enum NamedBarrier : int { CONSUMER0_TURN = 1, CONSUMER1_TURN = 2, EPILOGUE0 = 3, EPILOGUE1 = 4 };
 
 // Ping-pong's turns on the tensor cores. Each consumer has a turn barrier counting both warpgroups' threads:
 // it waits on its own (bar.sync) before it issues a GEMM block and arrives on the other's (bar.arrive) once
@@ -151,9 +89,9 @@ struct Turn {
         : mine(consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN), other(consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN) {}
     __device__ void take(int kv_tile) const {
         TRACE_SPAN(TRACE_TURN_WAIT_BEGIN, kv_tile);
-        named_barrier_sync(mine, NUM_CONSUMERS * WARPGROUP_THREADS);
+        named_barrier_sync(mine, CONSUMER_THREADS);
     }
-    __device__ void pass() const { named_barrier_arrive(other, NUM_CONSUMERS * WARPGROUP_THREADS); }
+    __device__ void pass() const { named_barrier_arrive(other, CONSUMER_THREADS); }
 };
 
 // The ring's phases. A slot's n-th fill (n = count / STAGES, count = K/V tiles through the ring so far)
@@ -165,17 +103,15 @@ __device__ __forceinline__ void wait_full(uint64_t* full, int count, int kv_tile
     mbarrier_wait_parity(full, full_parity(count));
 }
 
-// The tile scheduler. Work tile t is (q_tile, head, batch), q_tile fastest: the CTAs that run at the same time
-// work on neighbouring Q tiles of the same few (batch, head) pairs, so each K/V tile is read from HBM once and
-// then served from L2. The grid has one CTA per SM, and CTA b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ...
-// LONG: the grid is even, so the CTAs 2c and 2c + 1 of a cluster take the tiles 2i and 2i + 1 of one head each time.
+// ==== The tile scheduler ====
+// Work tile t is (q_tile, head, batch), q_tile fastest: the CTAs that run at the same time work on neighbouring Q
+// tiles of the same few (batch, head) pairs, so each K/V tile is read from HBM once and then served from L2. The grid
+// has one CTA per SM and takes the work tiles in rounds: CTA b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ...
+// PAIRED: the grid is even, so the CTAs 2c and 2c + 1 of a cluster take the tiles 2i and 2i + 1 of one head each round.
 // Causal: tiles come in pairs of equal work. Within a head, tile 2i is the i-th longest Q tile and tile 2i + 1 the
 // i-th shortest, and CTA b takes the pairs b, b + gridDim.x, ... (both tiles of a pair, one after the other). A head
 // with an odd number of Q tiles ends in a pair whose second tile is no tile (q_tile -1, skipped): its middle tile goes
-// alone, and no pair spans two heads. LONG, causal (whole quadruples of Q tiles in every head): at each turn the CTAs
-// 2c and 2c + 1 of a cluster take two neighbouring pairs of one head, its pairs 2m and 2m + 1 (m counted within the
-// head): the Q tiles q - 1 - 2m and q - 2 - 2m first (q tiles in the head), then 2m and 2m + 1: neighbours each time,
-// and each CTA of the two the higher one of them once.
+// alone, and no pair spans two heads.
 struct WorkTile {
     int q_tile, head, batch;
 };
@@ -183,18 +119,18 @@ __host__ __device__ __forceinline__ int tiles_per_head(const FwdParams& p) {
     const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M);
     return p.causal ? 2 * ceil_div(q_tiles, 2) : q_tiles;  // causal: whole pairs
 }
+__host__ __device__ __forceinline__ int num_work_tiles(const FwdParams& p) { return tiles_per_head(p) * p.heads * p.batch; }
 __device__ __forceinline__ WorkTile work_tile(int t, const FwdParams& p) {
     const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M), i = t % tiles_per_head(p), j = i / 2;
     const int q_tile = !p.causal ? i : i % 2 == 0 ? q_tiles - 1 - j : j < q_tiles - 1 - j ? j : -1;  // long, short, ...
     return {q_tile, t / tiles_per_head(p) % p.heads, t / tiles_per_head(p) / p.heads};
 }
-__host__ __device__ __forceinline__ int num_work_tiles(const FwdParams& p) { return tiles_per_head(p) * p.heads * p.batch; }
-__host__ __device__ __forceinline__ int tiles_per_turn(const FwdParams& p) { return p.causal ? 2 : 1; }  // a pair, or one
+__host__ __device__ __forceinline__ int tiles_per_round(const FwdParams& p) { return p.causal ? 2 : 1; }  // a pair, or one
 // This CTA's work tiles: first_tile(p), then next_tile(t, p), ... while t < num_work_tiles(p).
-__device__ __forceinline__ int first_tile(const FwdParams& p) { return blockIdx.x * tiles_per_turn(p); }
+__device__ __forceinline__ int first_tile(const FwdParams& p) { return blockIdx.x * tiles_per_round(p); }
 __device__ __forceinline__ int next_tile(int t, const FwdParams& p) {
-    const int n = tiles_per_turn(p);
-    return (t + 1) % n ? t + 1 : t + 1 + (gridDim.x - 1) * n;  // the pair's second tile, or the next turn's first
+    const int n = tiles_per_round(p);
+    return (t + 1) % n ? t + 1 : t + 1 + (gridDim.x - 1) * n;  // the pair's second tile, or the next round's first
 }
 // The K/V tiles a work tile visits: `tiles` from key 0 up to the last key that one of its rows sees (0: no row sees a
 // key), of which the last `masked` hold keys that some row of it must not see (past seqlen_k, or right of the
@@ -202,9 +138,7 @@ __device__ __forceinline__ int next_tile(int t, const FwdParams& p) {
 struct KvRange {
     int tiles, masked;
 };
-template <bool LONG>
 __device__ __forceinline__ KvRange kv_range(const WorkTile& w, const FwdParams& p) {
-    constexpr int BLOCK_N = Tiling<LONG>::BLOCK_N;
     const int row0 = w.q_tile * BLOCK_M, row_end = min(row0 + BLOCK_M, p.seqlen_q);
     int seen_by_last = p.seqlen_k, seen_by_first = p.seqlen_k;  // keys [0, n) seen by the tile's last row, by its first
     if (p.causal) {
@@ -216,74 +150,9 @@ __device__ __forceinline__ KvRange kv_range(const WorkTile& w, const FwdParams& 
 }
 // The K/V walk runs from the last tile to the first: the tiles that need a mask (the partial tile past seqlen_k, the
 // tiles the diagonal crosses) are the first ones, so only the first GEMM blocks mask.
-// LONG: both CTAs of a pair load every K/V tile that either of their neighbouring Q tiles (2i, 2i + 1) sees, which
-// are the tiles that the higher one sees (it sees every key the lower one does); the lower one passes over the first
-// ones of the walk (causal_offset >= 0 leaves it at least one tile of its own).
-template <bool LONG>
-__device__ __forceinline__ int walk_tiles(const WorkTile& w, const FwdParams& p) {
-    return kv_range<LONG>(LONG ? WorkTile{w.q_tile | 1, w.head, w.batch} : w, p).tiles;
-}
-template <bool LONG>
-__device__ __forceinline__ int kv_row(int kv_tile, int num_kv_tiles) { return (num_kv_tiles - 1 - kv_tile) * Tiling<LONG>::BLOCK_N; }
+__device__ __forceinline__ int kv_row(int kv_tile, int num_kv_tiles) { return (num_kv_tiles - 1 - kv_tile) * BLOCK_N; }
 
-// The split tail (dense calls, given a workspace). The grid takes the work tiles in turns of one per CTA (LONG: a pair
-// per cluster), and the last turn is rarely full: 2048 work tiles on 132 CTAs are 15 turns and 68 tiles, which leave
-// 64 SMs idle while 68 run a whole tile. Here the tiles of that last turn are cut along their K/V walks instead, and the
-// pieces dealt out evenly: the tail's units (a work tile's K/V tiles, or LONG a pair's) in order, tile by tile, each
-// CTA (cluster) a run of about the same count, the last CTA the first run (so that a CTA waits only for lower ones,
-// which the GPU starts first; each CTA stores its partial before it waits for any). A piece that holds its walk's start
-// (begin 0) comes last in its CTA's run; the pieces after it in the walk come first in lower CTAs' runs: they store
-// their partial O, its shifts and its row sums in the workspace and raise a flag (begin > 0: a partial piece), and the
-// piece that holds the start (its owner) waits for each flag, merges the partials into its registers and stores O and
-// LSE as a whole tile does.
-constexpr int MAX_SPLIT_CTAS = 512;  // the workspace's flags: one per consumer warpgroup of this many CTAs
-constexpr int FLAGS_BYTES = MAX_SPLIT_CTAS * NUM_CONSUMERS * sizeof(int);
-constexpr int PARTIAL_FLOAT4S = O_BLOCKS + 1;  // a consumer thread's partial: O_acc, then m_i[0..1] and l_i[0..1]
-__host__ __device__ constexpr int64_t workspace_bytes(int ctas) {
-    return FLAGS_BYTES + int64_t(ctas) * NUM_CONSUMERS * PARTIAL_FLOAT4S * WARPGROUP_THREADS * sizeof(float4);
-}
-struct Piece {
-    int t, begin, end;  // work tile t, positions [begin, end) of its K/V walk (at most the walk's length)
-};
-struct Tail {
-    int whole;          // work tiles [0, whole) run whole (all of them where the tail is not split)
-    int n, units;       // the tail's walks' length, and its units (n per work tile, LONG per pair)
-    int runs, run;      // the runs (CTAs, LONG clusters), and this CTA's, counted from the last CTA
-    __device__ int unit_start(int r) const { return r * units / runs; }  // run r: [start(r), start(r + 1)); r * units < 2^31
-};
-// SPLIT: a kernel of its own (attention_fwd_kernel<LONG, true>), for the calls that have a tail to split; every other
-// call runs the kernel without it (<LONG, false>), whose pieces are all whole tiles: step17's kernel.
-template <bool SPLIT>  // the work tiles of the full turns, which run whole (all of them without SPLIT)
-__device__ __forceinline__ int whole_tiles(const FwdParams& p) {
-    return SPLIT ? num_work_tiles(p) / gridDim.x * gridDim.x : num_work_tiles(p);
-}
-template <bool LONG, bool SPLIT>
-__device__ __forceinline__ Tail tail_of(const FwdParams& p) {
-    constexpr int CLUSTER = Tiling<LONG>::CLUSTER;
-    const int whole = whole_tiles<SPLIT>(p), n = ceil_div(p.seqlen_k, Tiling<LONG>::BLOCK_N), runs = gridDim.x / CLUSTER;
-    return {whole, n, (num_work_tiles(p) - whole) / CLUSTER * n, runs, runs - 1 - int(blockIdx.x) / CLUSTER};
-}
-template <bool LONG>
-__device__ __forceinline__ Piece tail_piece(const Tail& s, int walk, const FwdParams& p) {  // the run's part of a walk
-    const int lo = s.unit_start(s.run) - walk * s.n, hi = s.unit_start(s.run + 1) - walk * s.n;  // in the walk's units
-    if (hi <= max(lo, 0)) return {num_work_tiles(p), 0, 0};  // the run ends before the walk (or is empty): no piece
-    return {s.whole + walk * Tiling<LONG>::CLUSTER + int(blockIdx.x % Tiling<LONG>::CLUSTER), max(lo, 0), min(hi, s.n)};
-}
-__device__ __forceinline__ int first_walk(const Tail& s) { return s.units > 0 ? s.unit_start(s.run) / s.n : 0; }
-// This CTA's pieces: first_piece, then next_piece, ... while t < num_work_tiles(p): its whole tiles (first_tile,
-// next_tile, ... while t < whole), then (SPLIT) its run's pieces of the tail, walk by walk.
-template <bool LONG, bool SPLIT>
-__device__ __forceinline__ Piece first_piece(const Tail& s, const FwdParams& p) {
-    const int t = first_tile(p);
-    return !SPLIT || t < s.whole ? Piece{t, 0, INT_MAX} : tail_piece<LONG>(s, first_walk(s), p);
-}
-template <bool LONG, bool SPLIT>
-__device__ __forceinline__ Piece next_piece(const Piece& c, const Tail& s, const FwdParams& p) {
-    if (SPLIT && c.t >= s.whole) return tail_piece<LONG>(s, (c.t - s.whole) / Tiling<LONG>::CLUSTER + 1, p);
-    const int t = next_tile(c.t, p);
-    return !SPLIT || t < s.whole ? Piece{t, 0, INT_MAX} : tail_piece<LONG>(s, first_walk(s), p);
-}
-
+// ==== The producer ====
 // One thread asks the TMA unit for a [ROWS, HEAD_DIM] tile starting at `row` of (head, batch): two boxes of
 // [ROWS, 64] (the two swizzled halves), both completing on `bar`, which first learns how many bytes to expect.
 // Rows past the tensor's end arrive as zeros.
@@ -293,8 +162,7 @@ __device__ void load_tile_tma(__nv_bfloat16* dst_smem, const CUtensorMap* map, i
     cp_async_bulk_tensor_4d_global_to_shared(dst_smem, map, 0, row, head, batch, bar);
     cp_async_bulk_tensor_4d_global_to_shared(dst_smem + ROWS * TMA_HALF_COLS, map, TMA_HALF_COLS, row, head, batch, bar);
 }
-
-// LONG: a K or V tile for both CTAs of the pair. This CTA's barrier expects the whole tile, as before; this CTA's
+// PAIRED: a K or V tile for both CTAs of the pair. This CTA's barrier expects the whole tile, as before; this CTA's
 // producer loads one 64-column half (rank r: half r) into both CTAs, the peer's producer the other half.
 template <int ROWS>
 __device__ void load_tile_pair(__nv_bfloat16* dst_smem, const CUtensorMap* map, int row, int head, int batch, uint64_t* bar) {
@@ -303,37 +171,25 @@ __device__ void load_tile_pair(__nv_bfloat16* dst_smem, const CUtensorMap* map, 
     cp_async_bulk_tensor_4d_global_to_shared_multicast(dst_smem + rank * ROWS * TMA_HALF_COLS, map, rank * TMA_HALF_COLS, row, head,
                                                        batch, bar, 0b11);
 }
-template <bool LONG>
+template <bool PAIRED>
 __device__ void load_kv_tile(__nv_bfloat16* dst_smem, const CUtensorMap* map, int row, int head, int batch, uint64_t* bar) {
-    if constexpr (LONG) load_tile_pair<Tiling<LONG>::BLOCK_N>(dst_smem, map, row, head, batch, bar);
-    else load_tile_tma<Tiling<LONG>::BLOCK_N>(dst_smem, map, row, head, batch, bar);
+    if constexpr (PAIRED) load_tile_pair<BLOCK_N>(dst_smem, map, row, head, batch, bar);
+    else load_tile_tma<BLOCK_N>(dst_smem, map, row, head, batch, bar);
 }
 
-// Max / sum over the 4 threads of a quad (lanes 4r..4r+3 of a warp hold one query row).
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-// The producer: one thread keeps the ring full, across all the pieces of this CTA. For each piece: Q, once both
-// consumers are done with the previous piece's Q; then each of its K/V tiles, each into the next ring slot once it is
-// empty. The ring's count runs on across pieces, and so do the slots' phases.
-template <bool LONG, bool SPLIT>
-__device__ void producer_load(SharedStorage<LONG>& smem, const FwdParams& p, const CUtensorMap& Q_map, const CUtensorMap& K_map,
+// The producer: one thread keeps the ring full, across all the work tiles of this CTA. For each tile: Q, once both
+// consumers are done with the previous tile's Q; then each of its K/V tiles, each into the next ring slot once it is
+// empty. The ring's count runs on across work tiles, and so do the slots' phases.
+template <bool PAIRED>
+__device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUtensorMap& Q_map, const CUtensorMap& K_map,
                               const CUtensorMap& V_map) {
     prefetch_tensormap(&Q_map), prefetch_tensormap(&K_map), prefetch_tensormap(&V_map);
-    int count = 0, iteration = 0;  // iteration: the pieces that loaded a Q (those whose rows see a key)
-    const Tail tail = tail_of<LONG, SPLIT>(p);
-    for (Piece c = first_piece<LONG, SPLIT>(tail, p); c.t < num_work_tiles(p); c = next_piece<LONG, SPLIT>(c, tail, p)) {
-        const int t = c.t;
+    int count = 0, iteration = 0;  // iteration: the work tiles that loaded a Q (those whose rows see a key)
+    for (int t = first_tile(p); t < num_work_tiles(p); t = next_tile(t, p)) {
         const WorkTile w = work_tile(t, p);
         if (w.q_tile < 0) continue;  // the empty half of a head's last pair
-        const int num_kv_tiles = walk_tiles<LONG>(w, p), end = min(c.end, num_kv_tiles);  // LONG: the pair's walk
-        if (end <= c.begin) continue;  // no row sees a key: nothing to load
+        const int num_kv_tiles = kv_range(w, p).tiles;
+        if (num_kv_tiles == 0) continue;  // no row sees a key: nothing to load
         const int kv_head = w.head / (p.heads / p.heads_k);  // grouped heads share a K/V head
         if (iteration > 0) {
             TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, t);
@@ -343,67 +199,78 @@ __device__ void producer_load(SharedStorage<LONG>& smem, const FwdParams& p, con
         load_tile_tma<BLOCK_M>(smem.Q, &Q_map, w.q_tile * BLOCK_M, tma_coord(p.q_stride[1], w.head),
                                tma_coord(p.q_stride[0], w.batch), &smem.Q_full);
         ++iteration;
-        for (int kv_tile = c.begin; kv_tile < end; ++kv_tile, ++count) {
-            const int stage = count % STAGES, row = kv_row<LONG>(kv_tile, num_kv_tiles);
+        for (int kv_tile = 0; kv_tile < num_kv_tiles; ++kv_tile, ++count) {
+            const int stage = count % STAGES, row = kv_row(kv_tile, num_kv_tiles);
             if (count >= STAGES) {
                 TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
                 mbarrier_wait_parity(&smem.K_empty[stage], empty_parity(count));
             }
             TRACE_EVENT(TRACE_TMA_K, kv_tile);
-            load_kv_tile<LONG>(smem.K[stage], &K_map, row, tma_coord(p.k_stride[1], kv_head), tma_coord(p.k_stride[0], w.batch),
-                               &smem.K_full[stage]);
+            load_kv_tile<PAIRED>(smem.K[stage], &K_map, row, tma_coord(p.k_stride[1], kv_head), tma_coord(p.k_stride[0], w.batch),
+                                 &smem.K_full[stage]);
             if (count >= STAGES) {
                 TRACE_SPAN(TRACE_EMPTY_WAIT_BEGIN, kv_tile);
                 mbarrier_wait_parity(&smem.V_empty[stage], empty_parity(count));
             }
-            if constexpr (LONG)  // the last piece's output stores (both CTAs') have read V's slot 0
-                if (kv_tile == c.begin && iteration > 1) mbarrier_wait_parity(&smem.only.O_free, (iteration - 2) % 2);
             TRACE_EVENT(TRACE_TMA_V, kv_tile);
-            load_kv_tile<LONG>(smem.V[stage], &V_map, row, tma_coord(p.v_stride[1], kv_head), tma_coord(p.v_stride[0], w.batch),
-                               &smem.V_full[stage]);
+            load_kv_tile<PAIRED>(smem.V[stage], &V_map, row, tma_coord(p.v_stride[1], kv_head), tma_coord(p.v_stride[0], w.batch),
+                                 &smem.V_full[stage]);
         }
     }
 }
 
+// ==== The consumers: the accumulator's rows ====
+// An accumulator fragment (common/wgmma.cuh: frag_at) holds two rows of this lane, r = 0 (quad_row) and r = 1
+// (quad_row + 8), each spread over the 4 lanes of a quad. Max / sum over those 4 lanes:
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ==== The consumers: GEMM blocks and the online softmax ====
 // A consumer warpgroup: 64 query rows of every work tile, in registers. The tensor-core work between two
 // softmaxes is one GEMM block: S = Q K^T of K/V tile j, then O += P V of tile j-1, two commit groups issued on
 // this consumer's turn. The first block holds only S of tile 0, the last only the P V of the last tile:
 // peeled, so that no wgmma sits on a conditional path inside a block (ptxas would serialize it; the blocks of a
 // work tile sit under one branch, the tile having K/V at all, which ptxas leaves alone: no serialization warning).
-template <bool LONG>
+template <bool PAIRED>
 struct MmaWarpgroup {
-    static constexpr int S_BLOCKS = Tiling<LONG>::S_BLOCKS, PV_STEPS = Tiling<LONG>::PV_STEPS;
-    static constexpr int KV_HALF_BYTES = Tiling<LONG>::KV_HALF_BYTES;
-    SharedStorage<LONG>& smem;
+    SharedStorage& smem;
     const FwdParams& p;
     const int index;               // 0 or 1: rows 64 * index .. 64 * index + 63 of the work tile
     const Turn turn;
+    const int barrier;             // EPILOGUE0 or EPILOGUE1: this warpgroup's own named barrier
     const int lane, warp;          // warp 0-3 of this warpgroup: rows 16 * warp .. 16 * warp + 15 of its 64
     const int quad_row;            // this lane holds rows quad_row and quad_row + 8 of its warp's 16
     const int quad_col;            // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
     const uint32_t Q_rows;         // this warpgroup's 64 rows of Q at k-step 0: the A operand of S = Q K^T
     const float scale_log2;        // softmax scale * log2(e): exp(x * scale) = 2^(x * scale_log2)
-    const uint32_t peer_smem;      // LONG: the peer CTA's shared memory as this CTA addresses it (mapa, once)
-    float S_acc[S_BLOCKS * 4];     // S_acc[4 * nb + i]: key block nb, i as in mma's D fragment (common/wgmma.cuh)
-    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: O_acc[4 * db + i] likewise
+    const uint32_t peer_smem;      // PAIRED: the peer CTA's shared memory as this CTA addresses it (mapa, once)
+    float S_acc[S_BLOCKS * 4];     // S = Q K^T of a K/V tile: frag_at(S_acc, nb, r, i) is key 8 nb + 2 quad_col + i
+    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: frag_at(O_acc, db, r, i) likewise
     uint32_t P_frag[PV_STEPS][4];  // the last softmax's P in bf16: the A operand of the next O += P V
     float m_i[2];                  // running max of rows quad_row, quad_row+8 (RAW scores)
     float l_i[2];                  // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
     float alpha[2];                // ... and the rescale factor of the last softmax
 
-    __device__ MmaWarpgroup(SharedStorage<LONG>& smem_, const FwdParams& p_, int index_)
-        : smem(smem_), p(p_), index(index_), turn(index_), lane(threadIdx.x % 32), warp(threadIdx.x / 32 % 4), quad_row(lane / 4),
-          quad_col(lane % 4), Q_rows(smem_u32(smem_.Q) + index_ * ROWS_PER_WARPGROUP * ROW_BYTES), scale_log2(p_.scale * LOG2E),
-          peer_smem(LONG ? mapa_shared_cluster(&smem_, cluster_ctarank() ^ 1) : 0) {}
+    __device__ MmaWarpgroup(SharedStorage& smem_, const FwdParams& p_, int index_)
+        : smem(smem_), p(p_), index(index_), turn(index_), barrier(index_ == 0 ? EPILOGUE0 : EPILOGUE1), lane(threadIdx.x % 32),
+          warp(threadIdx.x / 32 % 4), quad_row(lane / 4), quad_col(lane % 4),
+          Q_rows(smem_u32(smem_.Q) + index_ * ROWS_PER_WARPGROUP * ROW_BYTES), scale_log2(p_.scale * LOG2E),
+          peer_smem(PAIRED ? mapa_shared_cluster(&smem_, cluster_ctarank() ^ 1) : 0) {}
 
     // S = Q K^T: 8 SS wgmma, one per 16-wide k-step of the head dim (32 bytes further inside an atom, or in
-    // the other half). LONG: the descriptors are built once per tile and advanced, fewer instructions per key.
+    // the other half). PAIRED: the descriptors are built once per tile and advanced, fewer instructions per key.
     __device__ void issue_qk(int stage) {
         const uint32_t K_tile = smem_u32(smem.K[stage]);
         const uint64_t Q_desc = wgmma_desc_kmajor(Q_rows), K_desc = wgmma_desc_kmajor(K_tile);
         for (int kk = 0; kk < QK_STEPS; ++kk) {
             const uint32_t half = kk / KSTEPS_PER_HALF, kstep = kk % KSTEPS_PER_HALF * KSTEP_BYTES;
-            if constexpr (LONG)
+            if constexpr (PAIRED)
                 wgmma_m64n128k16_ss(S_acc, wgmma_desc_advance(Q_desc, half * Q_HALF_BYTES + kstep),
                                     wgmma_desc_advance(K_desc, half * KV_HALF_BYTES + kstep), kk > 0);
             else
@@ -417,8 +284,8 @@ struct MmaWarpgroup {
         const uint64_t V_desc = wgmma_desc_nmajor(V_tile, KV_HALF_BYTES);
         for (int kk = 0; kk < PV_STEPS; ++kk)
             wgmma_m64n128k16_rs(O_acc, P_frag[kk],
-                                LONG ? wgmma_desc_advance(V_desc, kk * 2 * WGMMA_ATOM_BYTES)
-                                     : wgmma_desc_nmajor(V_tile + kk * 2 * WGMMA_ATOM_BYTES, KV_HALF_BYTES), 1);
+                                PAIRED ? wgmma_desc_advance(V_desc, kk * 2 * WGMMA_ATOM_BYTES)
+                                       : wgmma_desc_nmajor(V_tile + kk * 2 * WGMMA_ATOM_BYTES, KV_HALF_BYTES), 1);
     }
     // The scores of the keys a row must not see become -inf before the softmax (2^-inf = 0): keys past seqlen_k
     // (TMA filled the last tile's K and V with zeros, whose scores are 0, not -inf) and, causal, keys right of the
@@ -430,15 +297,15 @@ struct MmaWarpgroup {
             if (p.causal) seen = min(seen, row + 1 + p.causal_offset);
             const int cols = seen - kv_row - 2 * quad_col;  // ... as this lane's columns of the tile
             for (int nb = 0; nb < S_BLOCKS; ++nb)
-                for (int i = 0; i < 2; ++i)  // S_acc[4 nb + 2 r + i] is key 8 nb + 2 quad_col + i of the tile
-                    if (8 * nb + i >= cols) S_acc[4 * nb + 2 * r + i] = -INFINITY;
+                for (int i = 0; i < 2; ++i)
+                    if (8 * nb + i >= cols) frag_at(S_acc, nb, r, i) = -INFINITY;
         }
     }
     // The softmax's first half, on S alone (it runs while this warpgroup's P V may still read P and write O):
-    // the online-softmax update of this lane's two rows (r = 0: quad_row, r = 1: quad_row + 8) -- the new
-    // max and each row's rescale factor alpha (softmax_max), then the probabilities in place and the row sums
-    // (softmax_exp, a row at a time: LONG splits the two rows around a wait). MASKED: a row may have no key left in
-    // this tile (max -inf), nor before it: its shift stays 0 rather than -inf (2^(-inf + inf) is NaN).
+    // the online-softmax update of this lane's two rows -- the new max and each row's rescale factor alpha
+    // (softmax_max), then the probabilities in place and the row sums (softmax_exp, a row at a time: PAIRED splits the
+    // two rows around a wait). MASKED: a row may have no key left in this tile (max -inf), nor before it: its shift
+    // stays 0 rather than -inf (2^(-inf + inf) is NaN).
     template <bool MASKED>
     __device__ void softmax_max() {
         // Both rows' maxima first, each in four independent chains (fmax is exact in any order), then both
@@ -446,8 +313,8 @@ struct MmaWarpgroup {
         float row_max[2];
         for (int r = 0; r < 2; ++r) {
             float m[4];
-            for (int j = 0; j < 4; ++j) m[j] = fmaxf(S_acc[4 * j + 2 * r], S_acc[4 * j + 2 * r + 1]);
-            for (int nb = 4; nb < S_BLOCKS; ++nb) m[nb % 4] = fmaxf(m[nb % 4], fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            for (int j = 0; j < 4; ++j) m[j] = fmaxf(frag_at(S_acc, j, r, 0), frag_at(S_acc, j, r, 1));
+            for (int nb = 4; nb < S_BLOCKS; ++nb) m[nb % 4] = fmaxf(m[nb % 4], fmaxf(frag_at(S_acc, nb, r, 0), frag_at(S_acc, nb, r, 1)));
             row_max[r] = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
         }
         for (int r = 0; r < 2; ++r) row_max[r] = quad_max(row_max[r]);
@@ -466,9 +333,9 @@ struct MmaWarpgroup {
     __device__ void softmax_exp(int r, float m_scaled) {
         float row_sum = 0.f;
         for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one MUFU.EX2 per element
-            S_acc[4 * nb + 2 * r] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r], scale_log2, -m_scaled));
-            S_acc[4 * nb + 2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r + 1], scale_log2, -m_scaled));
-            row_sum += S_acc[4 * nb + 2 * r] + S_acc[4 * nb + 2 * r + 1];
+            frag_at(S_acc, nb, r, 0) = ex2_approx_ftz(fmaf(frag_at(S_acc, nb, r, 0), scale_log2, -m_scaled));
+            frag_at(S_acc, nb, r, 1) = ex2_approx_ftz(fmaf(frag_at(S_acc, nb, r, 1), scale_log2, -m_scaled));
+            row_sum += frag_at(S_acc, nb, r, 0) + frag_at(S_acc, nb, r, 1);
         }
         l_i[r] = alpha[r] * l_i[r] + row_sum;  // no shuffle: the quad's parts are added once, at the end
     }
@@ -485,16 +352,16 @@ struct MmaWarpgroup {
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
             for (int db = 0; db < O_BLOCKS; ++db) {
                 for (int r = 0; r < 2; ++r) {
-                    O_acc[4 * db + 2 * r] *= alpha[r];
-                    O_acc[4 * db + 2 * r + 1] *= alpha[r];
+                    frag_at(O_acc, db, r, 0) *= alpha[r];
+                    frag_at(O_acc, db, r, 1) *= alpha[r];
                 }
             }
         }
     }
-    __device__ void make_p(int r) {  // row r's P: registers r and 2 + r of each 16-key step
+    __device__ void make_p(int r) {  // row r's P: registers r and 2 + r of each 16-key step (mma's A fragment)
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            P_frag[kk][r] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 2 * r], S_acc[8 * kk + 2 * r + 1]);              // keys +2t
-            P_frag[kk][2 + r] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 4 + 2 * r], S_acc[8 * kk + 4 + 2 * r + 1]);  // keys +8+2t
+            P_frag[kk][r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, r, 0), frag_at(S_acc, 2 * kk, r, 1));              // keys +2t
+            P_frag[kk][2 + r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, r, 0), frag_at(S_acc, 2 * kk + 1, r, 1));  // keys +8+2t
         }
     }
     __device__ void rescale_o_and_make_p() {
@@ -505,21 +372,13 @@ struct MmaWarpgroup {
     __device__ void release(uint64_t* empty) const {  // this warp is done with Q
         if (lane == 0) mbarrier_arrive(empty);
     }
-    __device__ void release_kv(uint64_t* empty) const {  // ... with a ring slot (LONG: which both CTAs' producers refill)
+    __device__ void release_kv(uint64_t* empty) const {  // ... with a ring slot (PAIRED: which both CTAs' producers refill)
         if (lane == 0) {
             mbarrier_arrive(empty);
-            if constexpr (LONG) mbarrier_arrive_cluster(peer_smem + (smem_u32(empty) - smem_u32(&smem)));  // the peer's twin
+            if constexpr (PAIRED) mbarrier_arrive_cluster(peer_smem + (smem_u32(empty) - smem_u32(&smem)));  // the peer's twin
         }
     }
 
-    // LONG, causal: a K/V tile of the walk that only the peer's Q tile sees, waited for and released, not computed.
-    __device__ void pass_over(int count) const {
-        const int stage = count % STAGES;
-        wait_full(&smem.K_full[stage], count, 0);
-        release_kv(&smem.K_empty[stage]);
-        wait_full(&smem.V_full[stage], count, 0);
-        release_kv(&smem.V_empty[stage]);
-    }
     // A new work tile starts from scratch.
     __device__ void start_tile() {
         m_i[0] = m_i[1] = -INFINITY;
@@ -552,19 +411,19 @@ struct MmaWarpgroup {
     // GEMM blocks 1 .. n-1: S = Q K^T of tile j FIRST, then O += P V of tile j-1, as two commit groups. The
     // softmax of tile j needs only the first: it starts as soon as S is done (wait_group 1) and runs while the
     // tensor cores still work on this warpgroup's own P V (and then on the other consumer's block).
-    // MASKED: a tile the diagonal crosses (mask() before the softmax); the others are step14's block as it was.
-    // LONG: the split order. V is waited for under S = Q K^T, off the turn's path; then row 0's exponentials run
+    // MASKED: a tile the diagonal crosses (mask() before the softmax).
+    // PAIRED: the split order. V is waited for under S = Q K^T, off the turn's path; then row 0's exponentials run
     // under this warpgroup's P V and row 1's after its wait, beside the rescale of O and the conversion to P.
     template <bool MASKED>
     __device__ void gemm_block_steady(int count, int kv_tile, int kv_row = 0, int q_row = 0) {
         const int stage = count % STAGES, prev_stage = (count - 1) % STAGES;
         wait_full(&smem.K_full[stage], count, kv_tile);
-        if (!LONG) wait_full(&smem.V_full[prev_stage], count - 1, kv_tile);
+        if (!PAIRED) wait_full(&smem.V_full[prev_stage], count - 1, kv_tile);
         turn.take(kv_tile);
         wgmma_fence();  // O (rescaled), P and S were last touched by ordinary instructions
         issue_qk(stage);
         wgmma_commit_group();
-        if (LONG) {
+        if (PAIRED) {
             wait_full(&smem.V_full[prev_stage], count - 1, kv_tile);
             wgmma_fence();  // the wait's loop runs between two wgmma (ptxas would insert this fence itself, and say so)
         }
@@ -578,12 +437,12 @@ struct MmaWarpgroup {
         wgmma_fence_operands(S_acc);  // ...and the compiler may not read S any earlier
         release_kv(&smem.K_empty[stage]);
         if (MASKED) mask(kv_row, q_row);
-        if constexpr (LONG) {
+        if constexpr (PAIRED) {
             {
                 TRACE_SPAN(TRACE_SOFTMAX_BEGIN, kv_tile);
                 softmax_max<MASKED>();
                 softmax_exp(0, shift<MASKED>(0));  // under the tensor cores' P V, kept there by a store of its sums
-                smem.only.sums[threadIdx.x - WARPGROUP_THREADS] = l_i[0];  // (a store may not sink below the fence)
+                smem.sums[threadIdx.x - WARPGROUP_THREADS] = l_i[0];  // (a store may not sink below the fence)
                 keep_work_before_wait();
             }
             wgmma_wait_group<0>();
@@ -628,30 +487,24 @@ struct MmaWarpgroup {
         release_kv(&smem.V_empty[stage]);
     }
 
-    // The epilogue through shared memory: the normalized O goes into this warpgroup's output tile in TMA's
-    // swizzled layout, and one thread stores it with two bulk tensor copies (one per 64-column half), which
-    // run on while the warpgroup starts its next work tile; TMA leaves out rows past seqlen_q. Before the
-    // tile is overwritten, the previous tile's store must have read it. LSE goes straight to global memory.
+    // ==== The epilogue ====
+    // Through shared memory: the normalized O goes into this warpgroup's output tile in TMA's swizzled layout, and
+    // one thread stores it with two bulk tensor copies (one per 64-column half), which run on while the warpgroup
+    // starts its next work tile; TMA leaves out rows past seqlen_q. Before the tile is overwritten, the previous
+    // tile's store must have read it. LSE goes straight to global memory.
     __device__ void epilogue(const WorkTile& w, const CUtensorMap& O_map, int t) {
         TRACE_SPAN(TRACE_EPILOGUE_BEGIN, t);
-        const int barrier = index == 0 ? EPILOGUE0 : EPILOGUE1;
         const bool elected = threadIdx.x % WARPGROUP_THREADS == 0;  // the thread that issues the TMA stores
-        __nv_bfloat16* O_tile;
-        if constexpr (LONG) {
-            O_tile = smem.V[0] + index * ROWS_PER_WARPGROUP * HEAD_DIM;
-            named_barrier_sync(EPILOGUE_BOTH, NUM_CONSUMERS * WARPGROUP_THREADS);  // both consumers are done with V
-        } else {
-            O_tile = smem.only.O[index];
-            if (elected) cp_async_bulk_wait_group_read<0>();
-            named_barrier_sync(barrier, WARPGROUP_THREADS);  // the whole warpgroup knows O_tile is free
-        }
+        __nv_bfloat16* O_tile = smem.O[index];
+        if (elected) cp_async_bulk_wait_group_read<0>();
+        named_barrier_sync(barrier, WARPGROUP_THREADS);  // the whole warpgroup knows O_tile is free
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(l_i[r]);
             const float inv_l = l > 0.f ? 1.f / l : 0.f;  // l = 0: a row that sees no key, O = 0 (and LSE = -inf + log 0)
             const int row = warp * 16 + quad_row + 8 * r;  // in this warpgroup's 64 rows
             for (int db = 0; db < O_BLOCKS; ++db)
                 *reinterpret_cast<__nv_bfloat162*>(O_tile + swizzle_tma_128b<ROWS_PER_WARPGROUP>(row, db * 8 + 2 * quad_col)) =
-                    __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
+                    __floats2bfloat162_rn(frag_at(O_acc, db, r, 0) * inv_l, frag_at(O_acc, db, r, 1) * inv_l);
             const int64_t q_row = int64_t(w.q_tile) * BLOCK_M + index * ROWS_PER_WARPGROUP + row;
             if (quad_col == 0 && q_row < p.seqlen_q)  // rows past seqlen_q (zeros from TMA) are computed, not stored
                 p.lse[(int64_t(w.batch) * p.heads + w.head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
@@ -664,71 +517,6 @@ struct MmaWarpgroup {
             cp_async_bulk_tensor_4d_shared_to_global(&O_map, 0, row0, head, batch, O_tile);
             cp_async_bulk_tensor_4d_shared_to_global(&O_map, TMA_HALF_COLS, row0, head, batch, O_tile + ROWS_PER_WARPGROUP * TMA_HALF_COLS);
             cp_async_bulk_commit_group();
-            if constexpr (LONG) {  // once the stores have read V's slot 0, both producers may multicast into it again
-                cp_async_bulk_wait_group_read<0>();
-                mbarrier_arrive(&smem.only.O_free);
-                mbarrier_arrive_cluster(peer_smem + (smem_u32(&smem.only.O_free) - smem_u32(&smem)));
-            }
-        }
-    }
-    // The split tail (tail_of). A partial piece's registers, in its warpgroup's slot of the workspace: float4 e of
-    // thread i at e * 128 + i (a warp stores 512 consecutive bytes at a time), O_acc's 16, then m_i and l_i.
-    __device__ float4* partial_slot(int cta) const {
-        return reinterpret_cast<float4*>(static_cast<char*>(p.workspace) + FLAGS_BYTES) +
-               (cta * NUM_CONSUMERS + index) * PARTIAL_FLOAT4S * WARPGROUP_THREADS + threadIdx.x % WARPGROUP_THREADS;
-    }
-    __device__ int* partial_flag(int cta) const { return static_cast<int*>(p.workspace) + cta * NUM_CONSUMERS + index; }
-    // A partial piece: O unnormalized, with its shifts and this lane's row sums, as they stand after its last P V.
-    // (The CTA's index is read here in a volatile asm, which stays after the P V wait: from blockIdx.x, ptxas computes
-    // the slot's address ahead of the piece's loop, and the long tiling's split kernel takes 16 instructions more; in
-    // an earlier build of this step, with the consumers' registers all taken, it spilled.)
-    __device__ void store_partial() {
-        uint32_t cta;
-        asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta));
-        float4* slot = partial_slot(cta);
-        for (int e = 0; e < O_BLOCKS; ++e)
-            slot[e * WARPGROUP_THREADS] = make_float4(O_acc[4 * e], O_acc[4 * e + 1], O_acc[4 * e + 2], O_acc[4 * e + 3]);
-        slot[O_BLOCKS * WARPGROUP_THREADS] = make_float4(m_i[0], m_i[1], l_i[0], l_i[1]);
-        named_barrier_sync(index == 0 ? EPILOGUE0 : EPILOGUE1, WARPGROUP_THREADS);  // the warpgroup's stores are done...
-        if (threadIdx.x % WARPGROUP_THREADS == 0) {
-            store_release_gpu(partial_flag(cta), 1);  // ...before its flag says so
-            if constexpr (LONG) {  // no output store reads V's slot 0 after this piece: both producers may fill it
-                mbarrier_arrive(&smem.only.O_free);
-                mbarrier_arrive_cluster(peer_smem + (smem_u32(&smem.only.O_free) - smem_u32(&smem)));
-            }
-        }
-    }
-    // The owner of a split walk: each partial of it (the first pieces of the runs after this one, in order) merged into
-    // its registers, as the softmax's rescale does, with the larger of the two shifts.
-    __device__ void merge_partials(const Piece& c, const Tail& s) {
-        constexpr int CLUSTER = Tiling<LONG>::CLUSTER;
-        const int walk_end = ((c.t - s.whole) / CLUSTER + 1) * s.n;  // the tail's unit past this walk
-        for (int r = s.run + 1; r < s.runs && s.unit_start(r) < walk_end; ++r) {
-            if (s.unit_start(r) == s.unit_start(r + 1)) continue;  // an empty run (fewer units than runs)
-            const int cta = (s.runs - 1 - r) * CLUSTER + int(blockIdx.x % CLUSTER);
-            if (threadIdx.x % WARPGROUP_THREADS == 0) {
-                while (load_acquire_gpu(partial_flag(cta)) == 0) {}
-                *partial_flag(cta) = 0;  // zero again for the next call, which the stream runs after this one
-            }
-            named_barrier_sync(index == 0 ? EPILOGUE0 : EPILOGUE1, WARPGROUP_THREADS);  // the partial is there for all
-            const float4* slot = partial_slot(cta);
-            const float4 ml = __ldcg(slot + O_BLOCKS * WARPGROUP_THREADS);  // from L2: written by another SM
-            const float m_other[2] = {ml.x, ml.y}, l_other[2] = {ml.z, ml.w};
-            float mine[2], other[2];
-            for (int r2 = 0; r2 < 2; ++r2) {
-                const float m = fmaxf(m_i[r2], m_other[r2]);
-                mine[r2] = ex2_approx_ftz((m_i[r2] - m) * scale_log2);
-                other[r2] = ex2_approx_ftz((m_other[r2] - m) * scale_log2);
-                l_i[r2] = l_i[r2] * mine[r2] + l_other[r2] * other[r2];
-                m_i[r2] = m;
-            }
-            for (int e = 0; e < O_BLOCKS; ++e) {  // O_acc[4 e + 2 r2 + i]: row r2
-                const float4 o = __ldcg(slot + e * WARPGROUP_THREADS);
-                O_acc[4 * e] = O_acc[4 * e] * mine[0] + o.x * other[0];
-                O_acc[4 * e + 1] = O_acc[4 * e + 1] * mine[0] + o.y * other[0];
-                O_acc[4 * e + 2] = O_acc[4 * e + 2] * mine[1] + o.z * other[1];
-                O_acc[4 * e + 3] = O_acc[4 * e + 3] * mine[1] + o.w * other[1];
-            }
         }
     }
     // The last stores are done before the CTA (and its shared memory) goes.
@@ -737,142 +525,127 @@ struct MmaWarpgroup {
     }
 };
 
-// A consumer's work: the pieces of this CTA (the producer walks the same list), each a sequence of GEMM blocks on this
-// consumer's turns. The ring's count runs on across pieces, as the producer's does.
-template <bool LONG, bool SPLIT>
-__device__ void consumer_mma(SharedStorage<LONG>& smem, const FwdParams& p, const CUtensorMap& O_map, int index) {
-    MmaWarpgroup<LONG> wg(smem, p, index);
-    int count = 0, iteration = 0;  // iteration: the pieces that loaded a Q, as the producer counts them
-    const Tail tail = tail_of<LONG, SPLIT>(p);
-    for (Piece c = first_piece<LONG, SPLIT>(tail, p); c.t < num_work_tiles(p); c = next_piece<LONG, SPLIT>(c, tail, p)) {
-        const int t = c.t;
+// A consumer's work: the work tiles of this CTA (the producer walks the same list), each a sequence of GEMM blocks on
+// this consumer's turns. The ring's count runs on across work tiles, as the producer's does.
+template <bool PAIRED>
+__device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, const CUtensorMap& O_map, int index) {
+    MmaWarpgroup<PAIRED> wg(smem, p, index);
+    int count = 0, iteration = 0;  // iteration: the work tiles that loaded a Q, as the producer counts them
+    for (int t = first_tile(p); t < num_work_tiles(p); t = next_tile(t, p)) {
         const WorkTile w = work_tile(t, p);
         if (w.q_tile < 0) continue;  // the empty half of a head's last pair
-        const KvRange kv = kv_range<LONG>(w, p);
-        const int q_row = w.q_tile * BLOCK_M + index * ROWS_PER_WARPGROUP, begin = c.begin, end = min(c.end, kv.tiles);
-        const bool partial = begin > 0, owner = !partial && end < kv.tiles;  // a tail piece's part in its walk
+        const KvRange kv = kv_range(w, p);
+        const int q_row = w.q_tile * BLOCK_M + index * ROWS_PER_WARPGROUP;
         wg.start_tile();
-        if (end > begin) {  // else no row sees a key: no Q, no turns, and the epilogue stores O = 0, LSE = -inf
-            if constexpr (LONG)
-                for (int skip = walk_tiles<LONG>(w, p) - kv.tiles; skip > 0; --skip) wg.pass_over(count++);
+        if (kv.tiles > 0) {  // else no row sees a key: no Q, no turns, and the epilogue stores O = 0, LSE = -inf
             {
                 TRACE_SPAN(TRACE_FULL_WAIT_BEGIN, t);
                 mbarrier_wait_parity(&smem.Q_full, iteration % 2);  // this tile's Q
             }
             ++iteration;
-            if (index == 1) wg.turn.pass();  // consumer 0 takes the first turn of every piece
-            wg.gemm_block_first(count, begin < kv.masked, kv_row<LONG>(begin, kv.tiles), q_row);
-            int kv_tile = begin + 1;
-            for (; kv_tile < min(kv.masked, end); ++kv_tile)
-                wg.template gemm_block_steady<true>(count + kv_tile - begin, kv_tile, kv_row<LONG>(kv_tile, kv.tiles), q_row);
-            for (; kv_tile < end; ++kv_tile) wg.template gemm_block_steady<false>(count + kv_tile - begin, kv_tile);
-            wg.release(&smem.Q_empty);  // every S = Q K^T of this piece has completed: the producer may load the next Q
-            wg.gemm_block_last(count + end - begin - 1, end);
-            count += end - begin;
+            if (index == 1) wg.turn.pass();  // consumer 0 takes the first turn of every work tile
+            wg.gemm_block_first(count, kv.masked > 0, kv_row(0, kv.tiles), q_row);
+            int kv_tile = 1;
+            for (; kv_tile < kv.masked; ++kv_tile)
+                wg.template gemm_block_steady<true>(count + kv_tile, kv_tile, kv_row(kv_tile, kv.tiles), q_row);
+            for (; kv_tile < kv.tiles; ++kv_tile) wg.template gemm_block_steady<false>(count + kv_tile, kv_tile);
+            wg.release(&smem.Q_empty);  // every S = Q K^T of this tile has completed: the producer may load the next Q
+            wg.gemm_block_last(count + kv.tiles - 1, kv.tiles);
+            count += kv.tiles;
         }
-        if (partial) {  // a partial piece of the tail: stored for the piece that owns its walk
-            wg.store_partial();
-            continue;
-        }
-        if (owner) wg.merge_partials(c, tail);  // the tail piece that owns its walk: the rest comes from others
         wg.epilogue(w, O_map, t);
     }
     wg.finish();
 }
 
-// The kernel: set up the barriers, then split by warpgroup into the two roles. The tensor maps are
-// kernel parameters (__grid_constant__): the TMA unit reads them from parameter memory. One block per SM;
-// the (threads, 1) launch bound caps registers at kernel entry (168), which setmaxnreg then redistributes.
-// LONG runs in clusters of two CTAs (the launch's cluster dimension, flashladder_fwd); SPLIT splits the tail.
-template <bool LONG, bool SPLIT>
+// ==== The kernel ====
+// Set up the barriers, then split by warpgroup into the two roles. The tensor maps are kernel parameters
+// (__grid_constant__): the TMA unit reads them from parameter memory. One block per SM; the (threads, 1) launch bound
+// caps registers at kernel entry (168), which setmaxnreg then redistributes.
+// PAIRED runs in clusters of two CTAs (the launch's cluster dimension).
+template <bool PAIRED>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
     attention_fwd_kernel(const FwdParams p, const __grid_constant__ CUtensorMap Q_map, const __grid_constant__ CUtensorMap K_map,
                          const __grid_constant__ CUtensorMap V_map, const __grid_constant__ CUtensorMap O_map) {
-    constexpr int CLUSTER = Tiling<LONG>::CLUSTER;
+    constexpr int CTAS = cluster_ctas(PAIRED);
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    SharedStorage<LONG>& smem = *reinterpret_cast<SharedStorage<LONG>*>(smem_raw);
+    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
     // One thread initializes the barriers: a full barrier completes on its producer's expect_tx plus the TMA
-    // bytes (1 arrival), an empty barrier on one arrival from every consumer warp (LONG: of both CTAs).
+    // bytes (1 arrival), an empty barrier on one arrival from every consumer warp (PAIRED: of both CTAs).
     if (threadIdx.x == 0) {
         mbarrier_init(&smem.Q_full, 1);
         mbarrier_init(&smem.Q_empty, CONSUMER_WARPS);
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(&smem.K_full[s], 1), mbarrier_init(&smem.V_full[s], 1);
-            mbarrier_init(&smem.K_empty[s], CLUSTER * CONSUMER_WARPS), mbarrier_init(&smem.V_empty[s], CLUSTER * CONSUMER_WARPS);
+            mbarrier_init(&smem.K_empty[s], CTAS * CONSUMER_WARPS), mbarrier_init(&smem.V_empty[s], CTAS * CONSUMER_WARPS);
         }
-        if constexpr (LONG) mbarrier_init(&smem.only.O_free, CLUSTER * NUM_CONSUMERS);
         fence_mbarrier_init();  // the inits are visible to the TMA unit before the first copy completes on them
     }
-    // No thread waits on a barrier before it is initialized (LONG: nor arrives on, nor copies into, the peer's).
-    if constexpr (LONG) cluster_sync();
+    // No thread waits on a barrier before it is initialized (PAIRED: nor arrives on, nor copies into, the peer's).
+    if constexpr (PAIRED) cluster_sync();
     else __syncthreads();  // the last block-wide barrier
 
-    // The roles. Each setmaxnreg is executed by a whole warpgroup. LONG: the warpgroup's index is read from lane 0,
+    // The roles. Each setmaxnreg is executed by a whole warpgroup. PAIRED: the warpgroup's index is read from lane 0,
     // provably the same across the warp, so it lives in a uniform register (no R2UR moves in the loop).
-    const int warpgroup = LONG ? __shfl_sync(0xffffffffu, threadIdx.x / WARPGROUP_THREADS, 0) : threadIdx.x / WARPGROUP_THREADS;
+    const int warpgroup = PAIRED ? __shfl_sync(0xffffffffu, threadIdx.x / WARPGROUP_THREADS, 0) : threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0) producer_load<LONG, SPLIT>(smem, p, Q_map, K_map, V_map);  // the other 127 threads are done
-        if (LONG && threadIdx.x == 0) cluster_sync();  // LONG: neither CTA leaves while the other may still
-    } else {                                           // arrive on its barriers or copy into its shared memory
+        if (threadIdx.x == 0) producer_load<PAIRED>(smem, p, Q_map, K_map, V_map);  // the other 127 threads are done
+        if (PAIRED && threadIdx.x == 0) cluster_sync();  // PAIRED: neither CTA leaves while the other may still
+    } else {                                             // arrive on its barriers or copy into its shared memory
         setmaxnreg_inc<CONSUMER_REGS>();
-        consumer_mma<LONG, SPLIT>(smem, p, O_map, warpgroup - 1);
-        if (LONG) cluster_sync();
+        consumer_mma<PAIRED>(smem, p, O_map, warpgroup - 1);
+        if (PAIRED) cluster_sync();
     }
+}
+
+// The launcher's choice of kernel: which calls run in CTA pairs.
+bool takes_pairs(const FwdParams& p) {
+    const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M);
+    return !p.causal && q_tiles % 2 == 0 && p.seqlen_k >= PAIR_MIN_SEQLEN_K;
 }
 
 }  // namespace
 
-// ---- host launcher: grid, block, shared memory, attributes ----
+// ==== The host: exports and the launcher ====
 FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return 1; }  // any seqlen: TMA fills and clips the last tiles
 FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return 1; }
 FLASHLADDER_EXPORT int flashladder_tile_q() { return BLOCK_M; }  // the work tiles (for tests and tools)
-FLASHLADDER_EXPORT int flashladder_tile_k() { return Tiling<false>::BLOCK_N; }
-FLASHLADDER_EXPORT int flashladder_long_tile_k() { return Tiling<true>::BLOCK_N; }  // ... and the long tiling's, from:
-FLASHLADDER_EXPORT int flashladder_long_min_seqlen_k() { return LONG_MIN_SEQLEN_K; }
-FLASHLADDER_EXPORT int flashladder_long_causal() { return 1; }  // causal calls take it too (flashladder_fwd)
-// The split tail's workspace for a GPU of `sms` SMs: the flags, then a slot per consumer warpgroup of each CTA.
-FLASHLADDER_EXPORT int64_t flashladder_workspace_bytes(int sms) { return workspace_bytes(sms); }
+FLASHLADDER_EXPORT int flashladder_tile_k() { return BLOCK_N; }
+// The keys from which dense (causal = 0) or causal (causal = 1) calls may run in CTA pairs (takes_pairs), 0: never.
+FLASHLADDER_EXPORT int flashladder_pair_min_seqlen_k(int causal) { return causal ? 0 : PAIR_MIN_SEQLEN_K; }
 FLASHLADDER_EXPORT int flashladder_features() { return FLASHLADDER_FEATURE_CAUSAL | FLASHLADDER_FEATURE_GQA; }
 
 namespace {
-// One tiling's launch: its tensor maps (K and V in boxes of its tile), and its persistent grid, one CTA per SM, or
-// fewer when there are fewer turns (work tiles, or causal pairs); LONG: an even count, in clusters of two.
-template <bool LONG>
+// One kernel's launch: its tensor maps, and its persistent grid, one CTA per SM, or fewer when there are fewer rounds
+// (work tiles, or causal pairs of them); PAIRED: an even count, in clusters of two.
+template <bool PAIRED>
 cudaError_t launch(const FwdParams& p, int sms, cudaStream_t stream) {
-    // 193 KB (LONG: 162 KB) of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device).
-    cudaError_t err = raise_smem_limit_once<attention_fwd_kernel<LONG, false>>(SMEM_BYTES<LONG>);
-    if (err == cudaSuccess) err = raise_smem_limit_once<attention_fwd_kernel<LONG, true>>(SMEM_BYTES<LONG>);
+    // 194 KB of dynamic shared memory is above the 48 KB a block gets without asking (asked once per device and kernel).
+    cudaError_t err = raise_smem_limit_once<attention_fwd_kernel<PAIRED>>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
-    // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
-    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
-    constexpr int BLOCK_N = Tiling<LONG>::BLOCK_N;
+    // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU); they travel to
+    // the GPU inside the launch's parameters.
     CUtensorMap Q_map, K_map, V_map, O_map;  // O: written in boxes of one consumer's 64 rows
     if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||
         encode_tile_map(&K_map, p.k, p.k_stride, p.seqlen_k, p.heads_k, p.batch, BLOCK_N) != CUDA_SUCCESS ||
         encode_tile_map(&V_map, p.v, p.v_stride, p.seqlen_k, p.heads_k, p.batch, BLOCK_N) != CUDA_SUCCESS ||
         encode_tile_map(&O_map, p.o, p.o_stride, p.seqlen_q, p.heads, p.batch, ROWS_PER_WARPGROUP) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;  // a layout the TMA unit cannot describe (the binding's checks should prevent it)
-    const int turns = ceil_div(num_work_tiles(p), tiles_per_turn(p));  // a CTA's work tiles come one or two at a time
-    constexpr int CLUSTER = Tiling<LONG>::CLUSTER;
+    constexpr int CTAS = cluster_ctas(PAIRED);
+    const int rounds = ceil_div(num_work_tiles(p), tiles_per_round(p));  // a CTA's work tiles come one or two at a time
     cudaLaunchConfig_t config = {};
-    config.gridDim = dim3((turns < sms ? turns : sms) / CLUSTER * CLUSTER);
-    // The split tail (tail_of): for dense calls given a workspace whose last turn is partial, on a grid the flags cover,
-    // its unit counts in int arithmetic (tail_units * CTAs < 2^31).
-    const int64_t ctas = config.gridDim.x;
-    const int64_t tail_units = ctas ? num_work_tiles(p) % ctas / CLUSTER * ceil_div(p.seqlen_k, BLOCK_N) : 0;
-    const bool split = !p.causal && p.workspace != nullptr && tail_units > 0 && ctas <= MAX_SPLIT_CTAS && tail_units * ctas < INT_MAX;
+    config.gridDim = dim3((rounds < sms ? rounds : sms) / CTAS * CTAS);
     config.blockDim = dim3(NUM_THREADS);
-    config.dynamicSmemBytes = SMEM_BYTES<LONG>;
+    config.dynamicSmemBytes = SMEM_BYTES;
     config.stream = stream;
     cudaLaunchAttribute cluster;
     cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = CLUSTER, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+    cluster.val.clusterDim.x = CTAS, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
     config.attrs = &cluster;
-    config.numAttrs = LONG ? 1 : 0;  // SHORT: a plain launch, as step15's
-    return cudaLaunchKernelEx(&config, split ? attention_fwd_kernel<LONG, true> : attention_fwd_kernel<LONG, false>, p, Q_map, K_map,
-                              V_map, O_map);
+    config.numAttrs = PAIRED ? 1 : 0;
+    return cudaLaunchKernelEx(&config, attention_fwd_kernel<PAIRED>, p, Q_map, K_map, V_map, O_map);
 }
 }  // namespace
 
@@ -888,9 +661,5 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
         if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
         if (device < MAX_DEVICES) sm_count[device] = sms;
     }
-    const FwdParams& p = *params;
-    const int q_tiles = ceil_div(p.seqlen_q, BLOCK_M);
-    const bool long_tiling = (!p.causal || (p.causal_offset >= 0 && q_tiles % 4 == 0)) && q_tiles % 2 == 0 &&
-                             p.seqlen_k >= LONG_MIN_SEQLEN_K;
-    return long_tiling ? launch<true>(p, sms, stream) : launch<false>(p, sms, stream);
+    return takes_pairs(*params) ? launch<true>(*params, sms, stream) : launch<false>(*params, sms, stream);
 }

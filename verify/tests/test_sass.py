@@ -191,13 +191,18 @@ CLAIMS = [
                    "wait_group 0: they run while P V is in flight, not after it (without the fence, ptxas puts none there)",
                    r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", r"MUFU\.EX2\b", 64)),
     # 8 = four chains of four FMNMX per row, two more to join them, two after the quad's shuffles. One chain over a
-    # row's 16 key blocks is 19. A kernel with wider K/V tiles (step16's 176 keys: 22 blocks of 8) is allowed the
-    # longer chains of the same four: six FMNMX each, 10 in all (row_max_chain_limit).
+    # row's 16 key blocks is 19. A kernel with wider K/V tiles (176 keys: 22 blocks of 8) is allowed the longer chains
+    # of the same four: six FMNMX each, 10 in all (row_max_chain_limit).
     Claim("short_row_max", 13, None,
           chain=("a row max in short chains: between each wgmma wait and the next MUFU.EX2, no chain of dependent FMNMX "
                  "longer than 8 at 128 keys per tile (the exponentials wait for it)",
                  r"WARPGROUP\.DEPBAR\.LE\s+gsb0", r"MUFU\.EX2\b", r"FMNMX\b", "row_max_chain_limit")),
     Claim("tma_store", 14, None, present={"UTMASTG (cp.async.bulk.tensor shared -> global: the epilogue)": r"UTMASTG\b"}),
+    Claim("cta_pairs", 16, None,
+          present={"UTMALDG.4D.MULTICAST (one TMA copy into both CTAs of a pair)": r"UTMALDG\.\S*MULTICAST\b",
+                   "SYNCS.ARRIVE...RED (mbarrier.arrive.shared::cluster: a slot released in the peer CTA too)":
+                   r"SYNCS\.ARRIVE\.\S*RED\b",
+                   "UCGABAR (barrier.cluster: the pair's barriers set up before either CTA uses them)": r"UCGABAR_(ARV|WAIT)\b"}),
     Claim("no_local_memory", 1, None, absent={"LDL (a load from local memory)": r"LDL\b",
                                               "STL (a store to local memory)": r"STL\b"},
           counterexample=LOCAL_MEMORY_CU),
@@ -562,56 +567,88 @@ def kernel(opcodes: dict[str, collections.Counter], marker: str) -> collections.
     return next(c for name, c in opcodes.items() if "attention_fwd_kernel" + marker in name)
 
 
-@pytest.mark.parametrize("later, before", [("step16", "step15"), ("step17", "step15")])
-def test_the_short_tiling_is_the_step_before(later, before, cuobjdump):
-    """The headers of step16 and step17 say every call outside their long tiling runs step15's kernel:
-    attention_fwd_kernel<false> compiles to step15's kernel, opcode for opcode (ptxas schedules and allocates registers
-    its own way: the order and the registers may differ, the counts of each opcode by at most the few moves it needs),
-    and <true> is another code."""
-    ops = kernel_opcodes(cuobjdump, (before, later))
-    old, short, long = kernel(ops[before], ""), kernel(ops[later], "ILb0E"), kernel(ops[later], "ILb1E")
-    assert sum(apart(short, old).values()) <= 6, f"{later}'s short tiling differs from {before}: {apart(short, old)}"
-    assert sum(apart(long, old).values()) > 100  # the test tells two different kernels apart
+@pytest.mark.parametrize("later", ["step16", "step17", "step18", "step19"])
+def test_the_kernel_of_one_cta_per_cluster_is_step15s(later, cuobjdump):
+    """Steps 16-19 change the paired kernel alone (their headers say so): attention_fwd_kernel<false> compiles to
+    step15's kernel, opcode for opcode (ptxas schedules and allocates registers its own way: the order and the registers
+    may differ, the counts of each opcode by at most the few moves it needs), and <true> is another code."""
+    ops = kernel_opcodes(cuobjdump, ("step15", later))
+    old, solo, paired = kernel(ops["step15"], ""), kernel(ops[later], "ILb0E"), kernel(ops[later], "ILb1E")
+    assert sum(apart(solo, old).values()) <= 8, f"{later}'s <false> differs from step15's kernel: {apart(solo, old)}"
+    assert sum(apart(paired, old).values()) > 100  # the test tells two different kernels apart
 
 
-def test_the_kernels_without_the_split_are_step17s(cuobjdump):
-    """step18's header says the calls it does not split run step17's kernels: attention_fwd_kernel<LONG, false> compiles
-    to step17's attention_fwd_kernel<LONG>, both tilings, to the instruction count and but for a few opcodes (the loop's
-    bounds, which the pieces' iterator leaves as moves and selects ptxas keeps); <LONG, true>, the split, is another code."""
-    ops = kernel_opcodes(cuobjdump, ("step17", "step18"))
-    for long in "01":
-        old = kernel(ops["step17"], f"ILb{long}EE")
-        same, split = kernel(ops["step18"], f"ILb{long}ELb0E"), kernel(ops["step18"], f"ILb{long}ELb1E")
+def test_the_paired_kernel_builds_its_descriptors_once_step17(cuobjdump):
+    """step17's header says the paired kernel's steady loop builds no wgmma descriptor per k-step and keeps the
+    warpgroup's index in a uniform register: the moves from the vector registers to the uniform ones (R2UR) fall by at
+    least 30 against step16's paired kernel (with nvcc 13.0, 50), and the kernel is shorter."""
+    ops = kernel_opcodes(cuobjdump, ("step16", "step17"))
+    old, new = kernel(ops["step16"], "ILb1E"), kernel(ops["step17"], "ILb1E")
+    assert new["R2UR"] <= old["R2UR"] - 30, f"R2UR {old['R2UR']} -> {new['R2UR']}"
+    assert sum(new.values()) < sum(old.values()), f"{sum(old.values())} -> {sum(new.values())} instructions"
+
+
+def ex2_under_pv(cuobjdump, step: str, marker: str) -> list[int]:
+    """The MUFU.EX2 of each stretch from a wgmma.wait_group 1 to the next wait_group 0 in the step's kernel `marker`."""
+    steps_mod.build([step], log=lambda *_: None)
+    code = next(c for name, c in functions_of(sass_of(cuobjdump, kernel_so(step), "sm_90a")).items()
+                if "attention_fwd_kernel" + marker in name)
+    return stretch_counts(code, r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", r"MUFU\.EX2\b")
+
+
+@pytest.mark.parametrize("which, most", [("step17", 70), ("step18", 40)])
+def test_the_paired_kernel_splits_its_rows_around_the_pv_wait(which, most, cuobjdump):
+    """step18's header says the paired kernel runs one row's exponentials under its P V and the other's after the wait:
+    each stretch of its code from a wgmma.wait_group 1 to the next wait_group 0 holds at least 32 MUFU.EX2 (a row's 32,
+    with nvcc 13.0 34 with the rescale factors) and at most 40, where step17's paired kernel holds both rows' 64 (66)."""
+    counts = ex2_under_pv(cuobjdump, which, "ILb1E")
+    assert counts and min(counts) >= 32 and max(counts) <= most, f"{which}: MUFU.EX2 under P V {counts}"
+    if which == "step17":
+        assert max(counts) > 40, f"step17's paired kernel: {counts} (the test tells the two orders apart)"
+
+
+def test_the_kernels_without_the_split_are_step19s(cuobjdump):
+    """step20's header says the calls it does not split run step19's kernels: attention_fwd_kernel<PAIRED, false>
+    compiles to step19's attention_fwd_kernel<PAIRED>, both, to the instruction count and but for a few opcodes (the
+    loop's bounds, which the pieces' iterator leaves as moves and selects ptxas keeps); <PAIRED, true>, the split, is
+    another code."""
+    ops = kernel_opcodes(cuobjdump, ("step19", "step20"))
+    for paired in "01":
+        old = kernel(ops["step19"], f"ILb{paired}EE")
+        same, split = kernel(ops["step20"], f"ILb{paired}ELb0E"), kernel(ops["step20"], f"ILb{paired}ELb1E")
         assert abs(sum(same.values()) - sum(old.values())) <= 8 and sum(apart(same, old).values()) <= 24, \
-            f"step18's <{long}, false> differs from step17's <{long}>: {apart(same, old)}"
+            f"step20's <{paired}, false> differs from step19's <{paired}>: {apart(same, old)}"
         assert sum(apart(split, old).values()) > 500  # the test tells the split kernel apart
 
 
-def test_the_causal_kernels_are_step18s_and_the_dense_ones_lose_the_causal_paths(cuobjdump):
-    """step19's header says causal calls run step18's kernels: attention_fwd_kernel<LONG, false, true> compiles to
-    step18's <LONG, false>, both tilings (opcode for opcode with nvcc 13.0, a few moves allowed); and that the dense
-    kernels, <LONG, SPLIT, false>, are built without the causal paths: each at least 5% shorter than step18's <LONG,
-    SPLIT>, whose code tests p.causal (with nvcc 13.0, 7 to 10% shorter)."""
-    ops = kernel_opcodes(cuobjdump, ("step18", "step19"))
-    for long in "01":
-        old = kernel(ops["step18"], f"ILb{long}ELb0EE")
-        same = kernel(ops["step19"], f"ILb{long}ELb0ELb1EE")
-        assert abs(sum(same.values()) - sum(old.values())) <= 8 and sum(apart(same, old).values()) <= 24, \
-            f"step19's causal <{long}, false> differs from step18's <{long}, false>: {apart(same, old)}"
+def test_each_kernel_is_built_for_dense_or_causal_calls_step21(cuobjdump):
+    """step21's header says each kernel is built for dense calls or for causal ones, p.causal a constant in it: the
+    dense kernels <PAIRED, SPLIT, false> at least 5% shorter than step20's <PAIRED, SPLIT> (with nvcc 13.0, 6 to 10%),
+    whose code tests p.causal, and the causal ones <PAIRED, false, true> shorter than step20's <PAIRED, false>."""
+    ops = kernel_opcodes(cuobjdump, ("step20", "step21"))
+    for paired in "01":
         for split in "01":
-            before, dense = kernel(ops["step18"], f"ILb{long}ELb{split}EE"), kernel(ops["step19"], f"ILb{long}ELb{split}ELb0EE")
+            before, dense = kernel(ops["step20"], f"ILb{paired}ELb{split}EE"), kernel(ops["step21"], f"ILb{paired}ELb{split}ELb0EE")
             assert sum(dense.values()) <= 0.95 * sum(before.values()), \
-                f"step19's dense <{long}, {split}> has {sum(dense.values())} instructions, step18's {sum(before.values())}"
+                f"step21's dense <{paired}, {split}> has {sum(dense.values())} instructions, step20's {sum(before.values())}"
+        before, causal = kernel(ops["step20"], f"ILb{paired}ELb0EE"), kernel(ops["step21"], f"ILb{paired}ELb0ELb1EE")
+        assert sum(causal.values()) < sum(before.values()), \
+            f"step21's causal <{paired}> has {sum(causal.values())} instructions, step20's {sum(before.values())}"
+
+
+# An integer division by a number known only at run time: a reciprocal of it converted to float and back
+# (I2F.U32.RP or I2F.RP, then F2I), or the absolute values of a signed one (IABS).
+INTEGER_DIVISION = r"I2F\.(U32\.)?RP\b|IABS\b"
 
 
 def test_the_work_tiles_divide_by_multiplying_and_the_epilogue_takes_the_mufu(cuobjdump):
-    """step20's header says a work tile's coordinates and its K/V head come from a multiply-high and a shift (each
-    divisor's magic number made once per thread), and its epilogue's 1 / l and log l from the MUFU unit: in each of its
-    kernels two MUFU.LG2 (the two rows' log; step19's logf has none), and at least 5 MUFU.RCP fewer than in step19's
-    same kernel (an integer division by a divisor known only at run time is a MUFU.RCP of it and a correction, and
-    1.f / l a MUFU.RCP and a Newton step; with nvcc 13.0, 12 against 5 in the dense kernels without the split)."""
-    ops = kernel_opcodes(cuobjdump, ("step19", "step20"))
-    for name in (f"ILb{long}ELb{split}ELb{causal}EE" for long in "01" for split, causal in ("00", "10", "01")):
-        old, new = kernel(ops["step19"], name), kernel(ops["step20"], name)
-        assert old["MUFU.LG2"] == 0 and new["MUFU.LG2"] >= 2, f"{name}: MUFU.LG2 {old['MUFU.LG2']} -> {new['MUFU.LG2']}"
-        assert new["MUFU.RCP"] <= old["MUFU.RCP"] - 5, f"{name}: MUFU.RCP {old['MUFU.RCP']} -> {new['MUFU.RCP']}"
+    """step22's header says no kernel divides integers (each divisor's magic number made on the host) and its epilogue's
+    1 / l and log l come from the MUFU unit: in each kernel no integer division (INTEGER_DIVISION) where step21's same
+    kernel has some, two MUFU.LG2 (the two rows' log; step21's logf has none) and two MUFU.RCP."""
+    ops = kernel_opcodes(cuobjdump, ("step21", "step22"))
+    for name in (f"ILb{paired}ELb{split}ELb{causal}EE" for paired in "01" for split, causal in ("00", "10", "01")):
+        old, new = kernel(ops["step21"], name), kernel(ops["step22"], name)
+        divisions = lambda c: sum(n for op, n in c.items() if re.match(INTEGER_DIVISION, op))  # noqa: E731
+        assert divisions(old) > 0 and divisions(new) == 0, f"{name}: integer divisions {divisions(old)} -> {divisions(new)}"
+        assert old["MUFU.LG2"] == 0 and new["MUFU.LG2"] == 2, f"{name}: MUFU.LG2 {old['MUFU.LG2']} -> {new['MUFU.LG2']}"
+        assert new["MUFU.RCP"] == 2, f"{name}: MUFU.RCP {old['MUFU.RCP']} -> {new['MUFU.RCP']}"

@@ -498,36 +498,36 @@ def test_causal_grouped_under_torch_compile_and_in_a_cuda_graph(mod):
     assert torch.equal(o, o_new) and torch.equal(lse, lse_new), f"the replayed graph did not recompute; {replay()}"
 
 
-# A step with a second tiling for long sequences (info["long_tile_k"]: step16's 128 x 176 tiles in CTA pairs, step17's
-# 128 x 128, taken from info["long_min_seqlen_k"] keys on, with an even number of Q tiles; without a mask, or, where
-# info["long_causal"], causal with the diagonal at or right of the top-left one and a multiple of 4 Q tiles per head).
-# (batch, heads, heads_k, seqlen_q, keys past that threshold, the tiling the launcher should pick without a mask):
-LONG_SHAPES = [
-    (1, 2, 2, 256, 0, True),      # the shortest call that takes it: one CTA pair, the last K/V tile partial
+# A step that runs some calls in CTA pairs (info["pair_min_seqlen_k"]: two CTAs of a cluster on neighbouring Q tiles,
+# each K/V tile multicast to both), dense calls from that many keys on with an even number of Q tiles, and, where
+# info["causal_pair_min_seqlen_k"], causal calls with the diagonal at or right of the top-left one and a multiple of 4
+# Q tiles per head. (batch, heads, heads_k, seqlen_q, keys past the threshold, whether a dense call takes the pairs):
+PAIR_SHAPES = [
+    (1, 2, 2, 256, 0, True),      # the shortest call that takes them: one CTA pair, the last K/V tile partial
     (2, 3, 3, 250, 1, True),      # one key into a further tile; the pair's second Q tile partial
     (1, 18, 18, 1024, 0, True),   # 144 work tiles: 12 of the 66 pairs take two, the ring's phases run across work tiles
     (2, 2, 2, 1000, 24568, True),  # 32760 keys, a video model's sequence; 8 Q tiles per head, the last partial
     (1, 8, 2, 256, 0, True),      # grouped heads: the pair reads the one K/V head of its query head
-    (1, 2, 2, 384, 0, False),     # three Q tiles: an odd count, so the short tiling (pairs need whole pairs)
-    (1, 2, 2, 256, -1, False),    # one key short of the threshold: the short tiling
+    (1, 2, 2, 384, 0, False),     # three Q tiles: an odd count, so one CTA per cluster (pairs need whole pairs)
+    (1, 2, 2, 256, -1, False),    # one key short of the threshold: one CTA per cluster
 ]
 
 
-def needs_long_tiling(mod):
-    if mod.info["long_tile_k"] is None:
-        pytest.skip(f"{mod.info['step']} has one tiling (info['long_tile_k'] is None)")
+def needs_pairs(mod):
+    if mod.info["pair_min_seqlen_k"] is None:
+        pytest.skip(f"{mod.info['step']} runs no call in CTA pairs (info['pair_min_seqlen_k'] is None)")
 
 
-def long_shape(mod, shape):
+def pair_shape(mod, shape):
     batch, heads, heads_k, nq, past, _ = shape
-    return batch, heads, heads_k, nq, mod.info["long_min_seqlen_k"] + past
+    return batch, heads, heads_k, nq, mod.info["pair_min_seqlen_k"] + past
 
 
 @pytest.mark.parametrize("factor", [1.0, 10.0], ids=["x1", "x10"])
-@pytest.mark.parametrize("shape", LONG_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + ("-long" if s[5] else "-short"))
-def test_long_tiling(mod, shape, factor):
-    needs_long_tiling(mod)
-    batch, heads, heads_k, nq, nk = long_shape(mod, shape)
+@pytest.mark.parametrize("shape", PAIR_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + ("-paired" if s[5] else "-solo"))
+def test_pairs(mod, shape, factor):
+    needs_pairs(mod)
+    batch, heads, heads_k, nq, nk = pair_shape(mod, shape)
     if heads_k != heads:
         needs_gqa(mod)
     case = random_case(batch, heads, nq, nk, factor, heads_k=None if heads_k == heads else heads_k)
@@ -544,83 +544,84 @@ def launched_kernels(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-# Causal calls in CTA pairs (info["long_causal"]): (batch, heads, heads_k, seqlen_q, keys past the threshold). Top left
-# and bottom right (seqlen_k > seqlen_q: the diagonal right of top left's), the lower Q tile of each pair passing over
-# the K/V tiles that only the higher one sees.
-LONG_CAUSAL_SHAPES = [
-    (1, 2, 2, 512, 0),      # one quadruple of Q tiles: one CTA pair, two turns
+# Causal calls in CTA pairs (info["causal_pair_min_seqlen_k"]): (batch, heads, heads_k, seqlen_q, keys past the
+# threshold). Top left and bottom right (seqlen_k > seqlen_q: the diagonal right of top left's), the lower Q tile of
+# each pair passing over the K/V tiles that only the higher one sees.
+CAUSAL_PAIR_SHAPES = [
+    (1, 2, 2, 512, 0),      # one quadruple of Q tiles: one CTA pair, two rounds
     (2, 3, 3, 1000, 1),     # 8 Q tiles, the last partial; one key into a further K/V tile
-    (1, 40, 40, 1024, 0),   # 160 turns on 132 CTAs: some pairs take two, the ring's phases run across work tiles
+    (1, 40, 40, 1024, 0),   # 160 rounds of pairs on 132 CTAs: some take two, the ring's phases run across work tiles
     (1, 8, 2, 512, 0),      # grouped heads
     (1, 4, 4, 4096, 0),     # square (top left and bottom right the same diagonal): a language model's prefill
 ]
 
 
 @pytest.mark.parametrize("alignment", ALIGNMENTS)
-@pytest.mark.parametrize("shape", LONG_CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_long_tiling_causal(mod, shape, alignment):
-    needs_long_tiling(mod)
-    if not mod.info["long_causal"]:
-        pytest.skip(f"{mod.info['step']}'s causal calls keep the short tiling (info['long_causal'] is False)")
-    batch, heads, heads_k, nq, nk = long_shape(mod, (*shape, True))
+@pytest.mark.parametrize("shape", CAUSAL_PAIR_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_pairs_causal(mod, shape, alignment):
+    needs_pairs(mod)
+    if mod.info["causal_pair_min_seqlen_k"] is None:
+        pytest.skip(f"{mod.info['step']} runs causal calls one CTA per cluster (info['causal_pair_min_seqlen_k'] is None)")
+    batch, heads, heads_k, nq, nk = pair_shape(mod, (*shape, True))
     if heads_k != heads:
         needs_gqa(mod)
     case = random_case(batch, heads, nq, nk, 1.0, alignment, heads_k=None if heads_k == heads else heads_k)
     assert_passes(mod, check(mod, case), case.label)
 
 
-def causal_takes_long_tiling(mod, nq, nk, alignment) -> bool:
-    """The launcher's rule for causal calls (the step's flashladder_fwd): the long tiling where info["long_causal"],
-    from info["long_min_seqlen_k"] keys, with the diagonal at or right of the top-left one and 4k Q tiles per head."""
+def causal_takes_pairs(mod, nq, nk, alignment) -> bool:
+    """The launcher's rule for causal calls (the step's flashladder_fwd): CTA pairs from info["causal_pair_min_seqlen_k"]
+    keys (None: never), with the diagonal at or right of the top-left one and 4k Q tiles per head."""
     q_tiles = -(-nq // mod.info["tile_q"])
     offset = 0 if alignment == "top_left" else nk - nq
-    return mod.info["long_causal"] and nk >= mod.info["long_min_seqlen_k"] and offset >= 0 and q_tiles % 4 == 0
+    least = mod.info["causal_pair_min_seqlen_k"]
+    return least is not None and nk >= least and offset >= 0 and q_tiles % 4 == 0
 
 
-@pytest.mark.parametrize("shape", LONG_SHAPES + [(*s, True) for s in LONG_CAUSAL_SHAPES],
-                         ids=lambda s: "x".join(map(str, s[:5])) + ("-long" if s[5] else "-short"))
-def test_the_launcher_picks_the_tiling_the_shape_calls_for(mod, shape):
-    """The long tests above test the long tiling only if the launcher takes it there: the kernel's name says which
-    (attention_fwd_kernel<true>, step18's <true, SPLIT>: LONG). Causal calls take it only on a step with
-    info["long_causal"], by its rule. A third template argument (step19's <LONG, SPLIT, CAUSAL>) says whether the kernel
-    has the causal paths: causal calls need them, and dense ones are meant to run without."""
-    needs_long_tiling(mod)
-    batch, heads, heads_k, nq, nk = long_shape(mod, shape)
+@pytest.mark.parametrize("shape", PAIR_SHAPES + [(*s, True) for s in CAUSAL_PAIR_SHAPES],
+                         ids=lambda s: "x".join(map(str, s[:5])) + ("-paired" if s[5] else "-solo"))
+def test_the_launcher_picks_the_kernel_the_shape_calls_for(mod, shape):
+    """The pair tests above test the paired kernel only if the launcher takes it there: the kernel's first template
+    argument says which (attention_fwd_kernel<true, ...>: PAIRED). Causal calls take it only on a step with
+    info["causal_pair_min_seqlen_k"], by its rule. A third template argument (<PAIRED, SPLIT, CAUSAL>) says which calls
+    the kernel is built for: causal calls need the causal one, and dense ones are meant to run the dense one."""
+    needs_pairs(mod)
+    batch, heads, heads_k, nq, nk = pair_shape(mod, shape)
     q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k)
-    for causal, want in ((False, shape[5]), *((a, causal_takes_long_tiling(mod, nq, nk, a)) for a in ALIGNMENTS)):
+    for causal, want in ((False, shape[5]), *((a, causal_takes_pairs(mod, nq, nk, a)) for a in ALIGNMENTS)):
         if causal and not mod.info["causal"]:
             continue
         names = [n for n in launched_kernels(lambda: mod.attention(q, k, v, causal=causal)) if "attention_fwd_kernel" in n]
         assert len(names) == 1, names
-        long = re.search(r"attention_fwd_kernel<(true|false)\b", names[0])  # its first template argument (step18: <LONG, SPLIT>)
-        assert long and (long.group(1) == "true") == want, f"{'x'.join(map(str, (batch, heads, nq, nk)))} causal {causal}: {names[0]}"
-        paths = re.search(r"attention_fwd_kernel<\w+, \w+, (true|false)>", names[0])
-        assert not paths or (paths.group(1) == "true") == bool(causal), f"causal {causal} ran {names[0]}"
+        paired = re.search(r"attention_fwd_kernel<(true|false)\b", names[0])  # its first template argument: PAIRED
+        assert paired and (paired.group(1) == "true") == want, f"{'x'.join(map(str, (batch, heads, nq, nk)))} causal {causal}: {names[0]}"
+        built_for = re.search(r"attention_fwd_kernel<\w+, \w+, (true|false)>", names[0])
+        assert not built_for or (built_for.group(1) == "true") == bool(causal), f"causal {causal} ran {names[0]}"
 
 
-def test_long_tiling_is_deterministic(mod):
-    """Two calls at the long tiling bitwise equal: the pair's shared ring (each CTA's slots filled by both producers,
-    emptied by both CTAs' consumers) and O staged in V's slot are where a race would show."""
-    needs_long_tiling(mod)
-    q, k, v = make_inputs(1, 18, 1024, mod.info["long_min_seqlen_k"] + 1000)
-    for causal in (False, "top_left") if mod.info["long_causal"] else (False,):  # causal: the pass-overs too
+def test_pairs_are_deterministic(mod):
+    """Two calls in CTA pairs bitwise equal: the pair's shared ring (each CTA's slots filled by both producers, emptied
+    by both CTAs' consumers) is where a race would show."""
+    needs_pairs(mod)
+    q, k, v = make_inputs(1, 18, 1024, mod.info["pair_min_seqlen_k"] + 1000)
+    for causal in (False, "top_left") if mod.info["causal_pair_min_seqlen_k"] else (False,):  # causal: the pass-overs too
         o1, lse1 = run_poisoned(mod, q, k, v, causal=causal)
         o2, lse2 = run_poisoned(mod, q, k, v, causal=causal)
         assert torch.equal(o1, o2) and torch.equal(lse1, lse2), f"two calls differ (causal {causal}): a race? {replay()}"
 
 
-# A step with a split tail (info["workspace"]: steps 18-19): a dense call whose work tiles leave the grid's last turn partly
-# empty has that turn's tiles cut along their K/V walks, the pieces dealt out evenly to the CTAs and merged by the one
+# A step with a split tail (info["workspace"]): a dense call whose work tiles leave the grid's last round partly
+# empty has that round's tiles cut along their K/V walks, the pieces dealt out evenly to the CTAs and merged by the one
 # that holds each walk's start. The counts below are for a GPU of 132 SMs (H100 SXM, H200); elsewhere they are
 # other splits, checked all the same. (batch, heads, heads_k, seqlen_q, seqlen_k):
 TAIL_SHAPES = [
-    (1, 25, 25, 1024, 1024),   # 200 work tiles: 68 in the last turn, as at the shapes of record; 4-5 of 8 K/V tiles a CTA
-    (1, 17, 17, 1024, 1024),   # 136: 4 in the last turn, 32 K/V tiles for 132 CTAs: an owner and 7 partials a walk
+    (1, 25, 25, 1024, 1024),   # 200 work tiles: 68 in the last round, as at the shapes of record; 4-5 of 8 K/V tiles a CTA
+    (1, 17, 17, 1024, 1024),   # 136: 4 in the last round, 32 K/V tiles for 132 CTAs: an owner and 7 partials a walk
     (2, 9, 9, 1000, 3001),     # ragged: 12 tiles of 24 K/V tiles, the owner's first one partial, the last Q tile partial
-    (1, 34, 2, 1024, 1024),    # grouped heads: 8 tiles in the last turn
+    (1, 34, 2, 1024, 1024),    # grouped heads: 8 tiles in the last round
     (1, 140, 140, 128, 128),   # one K/V tile a walk: nothing to cut, every piece whole
-    (1, 68, 68, 256, 4096),    # the long tiling: 68 pairs on 66 clusters, 2 x 32 units for 66 runs (two of them empty)
-    (1, 70, 70, 256, 5096),    # the long tiling, 4 pairs in the last turn, its walks' first K/V tile partial
+    (1, 68, 68, 256, 4096),    # CTA pairs: 68 pairs on 66 clusters, 2 x 32 units for 66 runs (two of them empty)
+    (1, 70, 70, 256, 5096),    # CTA pairs, 4 pairs in the last round, its walks' first K/V tile partial
 ]
 
 
@@ -654,9 +655,9 @@ def run_unsplit(mod, q, k, v):
     return o, lse
 
 
-def test_the_last_turn_is_split_and_the_whole_turns_are_not(mod):
-    """The tests above test the split only if the step takes it: the tiles of the whole turns come out bitwise as a call
-    without a workspace gives them, and some tile of the last turn does not (its sums run in another order)."""
+def test_the_last_round_is_split_and_the_whole_rounds_are_not(mod):
+    """The tests above test the split only if the step takes it: the tiles of the whole rounds come out bitwise as a call
+    without a workspace gives them, and some tile of the last round does not (its sums run in another order)."""
     needs_split_tail(mod)
     batch, heads, nq, nk = 1, 25, 1024, 1024
     q, k, v = make_inputs(batch, heads, nq, nk)
@@ -670,7 +671,7 @@ def test_the_last_turn_is_split_and_the_whole_turns_are_not(mod):
         b, h, r = rows(t)
         assert torch.equal(o[b, h, r], o0[b, h, r]) and torch.equal(lse[b, h, r], lse0[b, h, r]), f"whole tile {t} differs"
     differ = [t for t in range(whole, tiles) if not torch.equal(o[rows(t)], o0[rows(t)])]
-    assert differ, f"the {tiles - whole} tiles of the last turn are bitwise those of a call without a workspace: not split"
+    assert differ, f"the {tiles - whole} tiles of the last round are bitwise those of a call without a workspace: not split"
 
 
 @pytest.mark.parametrize("shape", [TAIL_SHAPES[1], TAIL_SHAPES[5]], ids=lambda s: "x".join(map(str, s)))
