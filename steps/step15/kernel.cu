@@ -21,9 +21,10 @@
 //   1.14 / 1.15 / 1.15x SDPA's causal cuDNN, 0.97x FA3's causal; Llama-3-8B's 32 over 8 heads 604.6 / 640.2 / 656.0;
 //   dense at step14's speed. FA3's causal scheduler (the longest tile left, drawn at run time) ran no faster than the
 //   pairs: results/h200/2026-12-01-step15-scheduler/README.md.
-// CHECKED: the GPU checks of causal calls in both corners (ragged, rows and whole tiles that see no key, peaked and
-//   large values, grouped and multi-query heads) in verify/tests/test_steps_gpu.py; the run of record's log says they
-//   passed on this build (results/h200/README.md names the run).
+// CHECKED (results/h200/2026-12-01T16-28-07Z-logs/checks.log): the checks of causal calls in both corners (ragged,
+//   rows and whole tiles that see no key, peaked and large values, grouped and multi-query heads) passed on this
+//   kernel, which test_sass.py ties opcode for opcode to the one that ran there.
+// PICTURES: docs/img/causal_mask.png, docs/img/causal_balance.png, docs/img/gqa_heads.png.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

@@ -17,10 +17,12 @@
 //   without the pairs did the same work per clock (422.1 and 421.6 TFLOP/s per GHz), but without them the clock fell
 //   to 1605 MHz under the power cap, with them it held 1665 MHz: a pair reads each K/V tile from L2 once, not twice.
 // PREDICTION: from 4K keys up, the clock kept: +1-2% over step15; below 4K keys, step15's kernel and speed.
-// MEASURED: see results/h200/README.md (the run of record of steps 14-22 beside SDPA's backends and FA3).
-// CHECKED: the pair checks of verify/tests/test_steps_gpu.py (shapes at and around the threshold, grouped heads, a
-//   video model's 32760 keys, two calls bitwise equal, the launcher's choice by kernel name); test_sass.py: multicast
-//   copies, arrivals on the peer's barriers and cluster barriers in the SASS, none in step15's.
+// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
+//   (results/h200/2026-12-03-part2/README.md).
+// CHECKED (results/h200/2026-12-03-part2/checks_step16.log): every check passed, the pair checks among them
+//   (shapes at and around the threshold, grouped heads, 32760 keys, two calls bitwise equal, the launcher's choice);
+//   test_sass.py: multicast copies, arrivals on the peer's barriers and cluster barriers in the SASS, none in step15's.
+// PICTURES: docs/img/cta_pair_multicast.png.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

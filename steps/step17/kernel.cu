@@ -15,9 +15,11 @@
 //   TFLOP/s at N = 4K and 658.0 against 646.4 at 16K. On the kernel of one CTA per cluster they lost at 2K and 4K
 //   (results/h200/2026-12-02-step16/ab-step16.log: 0.991x and 0.992x step15), so that kernel keeps step15's code.
 // PREDICTION: +1% in the paired kernel (4K keys and more); nothing below.
-// MEASURED: see results/h200/README.md (the run of record of steps 14-22 beside SDPA's backends and FA3).
-// CHECKED: the checks of step16 on this build; test_sass.py: 30 or more fewer R2UR in the paired kernel than in
-//   step16's (50 with nvcc 13.0), the kernel of one CTA per cluster step15's opcode for opcode.
+// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
+//   (results/h200/2026-12-03-part2/README.md).
+// CHECKED: not yet on a GPU (its neighbours' checks passed: results/h200/2026-12-03-part2/README.md). test_sass.py:
+//   30 or more fewer R2UR in the paired kernel than in step16's (50 with nvcc 13.0), the other kernel step15's.
+// PICTURES: docs/img/descriptor_advance.png.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

@@ -16,9 +16,11 @@
 //   702.8 TFLOP/s, without it 674.4. Without the pairs it gained nothing at 128 keys (ab-s13split.log: 646.4 against
 //   647.1 on step13 at 16K), and on step15 it lost its clock (ab-s15split.log): it pays only where the pairs keep it.
 // PREDICTION: +1-2% from 4K keys up, where the paired kernel runs; nothing below.
-// MEASURED: see results/h200/README.md (the run of record of steps 14-22 beside SDPA's backends and FA3).
-// CHECKED: the checks of step16 on this build; test_sass.py: each stretch of the paired kernel from a wgmma wait for
-//   S to the wait for P V holds one row's MUFU.EX2 (32 to 40), where step17's holds both rows' (66 with nvcc 13.0).
+// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
+//   (results/h200/2026-12-03-part2/README.md).
+// CHECKED: not yet on a GPU (its neighbours' checks passed: results/h200/2026-12-03-part2/README.md). test_sass.py:
+//   the paired kernel's stretch from the wait for S to the wait for P V holds one row's MUFU.EX2 (32-40), step17's 66.
+// PICTURES: docs/img/split_order.png.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

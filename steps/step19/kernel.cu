@@ -17,9 +17,11 @@
 //   1.272e+06 cycles on average, FA3's 1.201e+06, for the same wgmma: FA3's causal lead over step15 is work per clock,
 //   which the paired kernel's loop (steps 17-18) has.
 // PREDICTION: causal and grouped heads from 4K keys: the paired kernel's gain over step15's kernel, +3-5%.
-// MEASURED: see results/h200/README.md (the run of record of steps 14-22 beside SDPA's backends and FA3).
-// CHECKED: the causal pair checks of verify/tests/test_steps_gpu.py (both corners, a partial last Q tile, grouped
-//   heads, 160 rounds on 132 CTAs, a square prefill), the launcher's choice by kernel name, two calls bitwise equal.
+// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
+//   (results/h200/2026-12-03-part2/README.md).
+// CHECKED (results/h200/2026-12-03-part2/checks_step19.log): every check passed, the causal pair checks among
+//   them (both corners, a partial last Q tile, grouped heads, 160 rounds on 132 CTAs, a square prefill).
+// PICTURES: docs/img/causal_pairs.png.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

@@ -15,9 +15,10 @@
 //   dense calls had p.causal folded to 0 ran 231.7 us where the same kernel testing it ran 236.5: the causal paths,
 //   never taken by a dense call, weigh most where a work tile walks few K/V tiles and its set-up and end count.
 // PREDICTION: about 1% at 1K and 2K, less from 4K up; causal calls unchanged or a little ahead.
-// MEASURED: see results/h200/README.md (the run of record of steps 14-22 beside SDPA's backends and FA3).
-// CHECKED: the checks of step20 on this build; test_sass.py: each dense kernel 5% or more shorter than step20's same
-//   kernel, each causal one shorter too.
+// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
+//   (results/h200/2026-12-03-part2/README.md).
+// CHECKED: not yet on a GPU (its neighbours' checks passed: results/h200/2026-12-03-part2/README.md). test_sass.py:
+//   each dense kernel at least 5% shorter than step20's same kernel, each causal one shorter too.
 #include <climits>
 
 #include "flashladder.cuh"

@@ -17,9 +17,11 @@
 // WHY (results/h200/2026-12-03-tile-ends-1k/tile-ends.txt): at N = 1K, where a work tile walks 8 K/V tiles, the
 //   kernel spent more warp samples outside its steady loop than step14's; the divisions were among the lines that grew.
 // PREDICTION: about 1% at 1K, less from 4K up, where a work tile walks 32 K/V tiles or more.
-// MEASURED: see results/h200/README.md (the run of record of steps 14-22 beside SDPA's backends and FA3).
-// CHECKED: the checks of step21 on this build, compute-sanitizer's memcheck and racecheck (results/h200/README.md);
-//   test_sass.py: no integer division in any kernel (step21's have some), two MUFU.RCP and two MUFU.LG2 in each.
+// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
+//   (results/h200/2026-12-03-part2/README.md).
+// CHECKED (results/h200/2026-12-03-part2/checks_step22.log): every check passed; compute-sanitizer not yet run
+//   on it. test_sass.py: no integer division in any kernel (step21's have some), two MUFU.RCP and MUFU.LG2 in each.
+// PICTURES: docs/img/work_tile_coords.png, docs/img/magic_division.png.
 #include <climits>
 
 #include "flashladder.cuh"
