@@ -275,7 +275,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
     const cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
     // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
-    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    // cost is measured in docs/design.md, "TMA: tensor maps encoded per call"); they travel in the launch's parameters.
     const FwdParams& p = *params;
     CUtensorMap Q_map, K_map, V_map;
     if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||

@@ -140,12 +140,12 @@ def test_the_checks_see_code_and_uncited_files(tmp_path):
         (tmp_path / "results/h200" / name).write_text("{}\n" if name.endswith(".json") else "x\n")
     (tmp_path / "results/h200/a/README.md").write_text("| x.log | a run |\n")
     (tmp_path / "results/h200/b/README.md").write_text("z.log: a run\n")
-    (tmp_path / "NOTES.txt").write_text("results/h200/a/ab.py@43bfacc, results/h200/a/README.md, results/h200/c.log@43bfacc\n")
+    (tmp_path / "cites.md").write_text("results/h200/a/ab.py@43bfacc, results/h200/a/README.md, results/h200/c.log@43bfacc\n")
     got = problems(tmp_path, own="")
     assert got == ["results/h200/a/ab.py: code under results/ (leave it to git history and cite it as path@commit)",
                    "results/h200/a/y.log: cited by nothing in the tree",
                    "results/h200/b/z.log: cited by nothing in the tree",
                    "results/h200/c.log: cited by nothing in the tree"], got
-    (tmp_path / "NOTES.txt").write_text("results/h200/a/y.log results/h200/b/ results/h200/c.log\n")
+    (tmp_path / "cites.md").write_text("results/h200/a/y.log results/h200/b/ results/h200/c.log\n")
     (tmp_path / "results/h200/a/ab.py").unlink()
     assert problems(tmp_path, own="") == []
