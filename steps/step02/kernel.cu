@@ -5,36 +5,26 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP01
-//   Both matmuls move from scalar FFMAs to the tensor cores. One warp-wide instruction,
-//   mma.sync.aligned.m16n8k16, multiplies a 16x16 bf16 tile by a 16x8 bf16 tile into a 16x8 fp32
-//   accumulator: 4096 multiply-adds, where step01 did 1 per FFMA per thread. That changes how work is
-//   owned: each warp now owns 16 query rows (one mma row block), and every matrix lives in registers as
-//   "fragments" spread over the warp in the layout mma expects (common/ptx.cuh draws it).
+//   Both matmuls move to the tensor cores: one warp-wide mma.sync.m16n8k16 multiplies a 16x16 bf16 tile by a 16x8 one
+//   into a 16x8 fp32 accumulator, 4096 multiply-adds where step01 did 1 per FFMA per thread. A warp now owns 16 query
+//   rows, and every matrix lives in registers as "fragments" in the layout mma expects (common/ptx.cuh draws it):
 //     * Q: the warp's 16 x 128 slice is loaded once with ldmatrix.x4 into 8 A fragments (32 registers).
-//     * S = Q K^T: for each 16-wide slice of the head dim and each 8-key block, a K fragment comes from
-//       shared memory with ldmatrix.x2 (K is stored [key, dim], which is exactly mma's "col" B layout).
-//     * softmax: in the accumulator layout lane l holds rows l/4 and l/4+8, columns 2(l%4), 2(l%4)+1 of
-//       each 8-key block: a row is spread over the 4 lanes of a quad, so the row max and sum still take
-//       two quad shuffles, as in step01.
-//     * O += P V: the S accumulators of two neighbouring 8-key blocks are exactly the A fragment of a
-//       16-key slice of P, so P is rounded to bf16 and used straight from registers: it never goes
-//       through shared memory. V (stored [key, dim]) needs the k-major layout, which ldmatrix.x2.trans
-//       produces on the fly.
-//   The block grows to 8 warps x 16 rows = 128 query rows (K/V tiles are reused by twice as many rows
-//   as with 64, halving the K/V traffic from L2); shared memory holds Q, K and V (64 KB).
+//     * S = Q K^T: K fragments come from shared memory with ldmatrix.x2 (K stored [key, dim] is mma's "col" B layout).
+//     * softmax: lane l holds rows l/4 and l/4+8 of each 8-key block, so a row lives in a quad: two shuffles, as before.
+//     * O += P V: two neighbouring 8-key blocks of S are exactly the A fragment of a 16-key slice of P, so P is rounded
+//       to bf16 and used from registers, never through shared memory; V comes k-major through ldmatrix.x2.trans.
+//   The block grows to 8 warps x 16 rows = 128 query rows (each K/V tile feeds twice the rows: half the K/V traffic
+//   from L2); shared memory holds Q, K and V (64 KB). Still plain: copies staged through registers (step03), unswizzled
+//   rows (step04), loads and math in turn (step05), libm's expf and ldmatrix.x2 (step06).
 //
-// WHAT STAYS PLAIN (later steps): the global->shared copies still stage through registers (step03),
-//   ldmatrix meets 8-way bank conflicts on the unswizzled rows (step04), loads and math alternate
-//   with no overlap (step05), and the softmax uses the libm expf, a separate scale multiply, a quad
-//   shuffle of the row sum every tile and ldmatrix.x2 for K and V (step06).
-//
-// PREDICTION: the matmuls were ~100% of step01's time; here they become cheap, and the tile loads,
-//   the barriers and the softmax (32 expf per thread per tile) dominate. Expect well over 10x step01,
-//   but far from FlashAttention-2 (~345 TFLOP/s): perhaps 100-150 TFLOP/s.
+// PREDICTION: the matmuls were ~100% of step01's time; here they become cheap, and the tile loads, the barriers and the
+//   softmax dominate. Well over 10x step01, far from FlashAttention-2 (~345 TFLOP/s): perhaps 100-150 TFLOP/s.
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   2.3 / 2.3 / 2.3 -> 53.5 / 54.0 / 54.3 TFLOP/s (23.66 / 23.89 / 24.00x), 0.09 / 0.09 / 0.09x SDPA's cuDNN backend.
-//   Below the prediction: every ldmatrix here meets an 8-way bank conflict (the 8 rows it reads are
-//   256 bytes apart), so shared memory, not the tensor cores, sets the pace. step04 shows how much.
+//   2.3 / 2.3 / 2.3 -> 53.5 / 54.0 / 54.3 TFLOP/s (23.66 / 23.89 / 24.00x), 0.09x SDPA's cuDNN backend. Below the
+//   prediction: every ldmatrix meets an 8-way bank conflict (its 8 rows are 256 bytes apart), so shared memory, not the
+//   tensor cores, sets the pace; step04 shows how much (docs/design.md, "Bank conflicts").
+// CHECKED: every GPU check passed, and again as compute_80 PTX compiled by the driver
+//   (results/h200/2026-12-01T09-46-07Z-logs/checks.log, ptx-jit.log); test_sass.py finds HMMA and LDSM in its SASS.
 #include "flashladder.cuh"
 #include "ptx.cuh"
 

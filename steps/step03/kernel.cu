@@ -5,20 +5,20 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP02
-//   The global->shared copies use cp.async (sm_80+): each thread hands the copy engine 16 bytes to
-//   move straight from global (through L2) into shared memory, instead of loading them into a register
-//   and storing them again. That saves the 2 instructions and the register round trip per 16 bytes,
-//   and -- the real point -- the copy is asynchronous: the thread can issue all its copies and only
-//   then wait (cp.async.commit_group + cp.async.wait_group), so all of a tile's loads are in flight at
-//   once rather than bounded by how many uint4 registers the compiler keeps live. Nothing overlaps the
-//   copies with math yet: the block still waits for the whole tile before computing (step05 does that).
+//   The global->shared copies use cp.async (sm_80+): each thread hands the copy engine 16 bytes to move straight from
+//   global (through L2) into shared memory, instead of loading them into a register and storing them again. That saves
+//   2 instructions and a register round trip per 16 bytes, and -- the real point -- the copy is asynchronous: the
+//   thread issues all its copies and only then waits (cp.async.commit_group + cp.async.wait_group), so all of a tile's
+//   loads are in flight at once rather than bounded by how many uint4 registers the compiler keeps live. Nothing
+//   overlaps the copies with math yet: the block still waits for the whole tile before computing (step05 does that).
 //
-// PREDICTION: a modest gain (5-15%): the loads were a minority of step02's time, and with all copies
-//   of a tile in flight the load phase gets shorter; the softmax and bank conflicts are untouched.
+// PREDICTION: a modest gain (5-15%): the loads were a minority of step02's time, and with all copies of a tile in
+//   flight the load phase gets shorter; the softmax and the bank conflicts are untouched.
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   53.5 / 54.0 / 54.3 -> 54.4 / 54.9 / 55.2 TFLOP/s (1.02x at each N), 0.09 / 0.09 / 0.09x SDPA's cuDNN backend.
-//   Below the prediction, and for the same reason as step02's miss: the loads were never the
-//   bottleneck; the bank-conflicted ldmatrix reads are (step04).
+//   53.5 / 54.0 / 54.3 -> 54.4 / 54.9 / 55.2 TFLOP/s (1.02x at each N), 0.09x SDPA's cuDNN backend. Below the
+//   prediction, for step02's reason: the loads were never the bottleneck, the bank-conflicted ldmatrix reads are (step04).
+// CHECKED: every GPU check passed, and again as compute_80 PTX compiled by the driver
+//   (results/h200/2026-12-01T09-46-07Z-logs/checks.log, ptx-jit.log).
 #include "flashladder.cuh"
 #include "ptx.cuh"
 

@@ -5,20 +5,21 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP03
-//   Shared memory is swizzled. A Q, K or V row is 128 bf16 = 256 bytes, and ldmatrix reads one 16-byte
-//   chunk from each of 8 consecutive rows: 256 bytes apart, so all 8 fall in the same 4 of the 32 banks
-//   and the read takes 8 wavefronts instead of 1 (an 8-way bank conflict on every ldmatrix). Now chunk
-//   c of row r is stored at chunk c ^ (r % 8) (common/swizzle.cuh): the 8 rows of an ldmatrix hit 8
-//   different chunk positions, all 32 banks, one wavefront. The cp.async writes and every ldmatrix
-//   address go through the same swizzle_128b(row, col); nothing else changes.
+//   Shared memory is swizzled. A Q, K or V row is 128 bf16 = 256 bytes, and ldmatrix reads one 16-byte chunk from each
+//   of 8 consecutive rows: 256 bytes apart, so all 8 fall in the same 4 of the 32 banks and the read takes 8 wavefronts
+//   instead of 1 (an 8-way bank conflict on every ldmatrix). Now chunk c of row r is stored at chunk c ^ (r % 8)
+//   (common/swizzle.cuh): the 8 rows of an ldmatrix hit 8 different chunk positions, all 32 banks, one wavefront. The
+//   cp.async writes and every ldmatrix address go through the same swizzle_128b(row, col); nothing else changes.
 //
-// PREDICTION: ldmatrix traffic is large here (x2 loads of K and V for every mma, 8 wavefronts each),
-//   so removing the conflicts should pay clearly: +20-40%. ncu's shared-memory bank-conflict counters
-//   should drop from millions to ~0 for the loads.
+// PREDICTION: ldmatrix traffic is large here (x2 loads of K and V for every mma, 8 wavefronts each), so removing the
+//   conflicts should pay clearly: +20-40%. ncu's bank-conflict counters should drop from millions to ~0 for the loads.
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   54.4 / 54.9 / 55.2 -> 218.5 / 227.7 / 232.6 TFLOP/s (4.02 / 4.14 / 4.21x), 0.36 / 0.37 / 0.37x SDPA's cuDNN backend: far above the prediction, the conflicts were THE bottleneck. ncu, 1 x 16 heads x 2K
-//   (results/h200/2026-11-29T10-34-41Z-logs/ncu_banks.txt): shared-load wavefronts 134.7M -> 16.8M,
-//   of which bank conflicts 117.9M -> 0. The 8x more wavefronts were 7 conflicts per ldmatrix.
+//   54.4 / 54.9 / 55.2 -> 218.5 / 227.7 / 232.6 TFLOP/s (4.02 / 4.14 / 4.21x), 0.36 / 0.37 / 0.37x SDPA's cuDNN backend:
+//   far above the prediction, the conflicts were THE bottleneck (docs/design.md, "Bank conflicts").
+// CHECKED: every GPU check passed, and again as compute_80 PTX compiled by the driver
+//   (results/h200/2026-12-01T09-46-07Z-logs/checks.log, ptx-jit.log); ncu at 1 x 16 heads x 2K, of an earlier build
+//   (results/h200/2026-11-29T10-34-41Z-logs/ncu_banks.txt): shared-load wavefronts 134.7M -> 16.8M, bank conflicts
+//   117.9M -> 0.
 #include "flashladder.cuh"
 #include "ptx.cuh"
 #include "swizzle.cuh"

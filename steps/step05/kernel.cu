@@ -5,23 +5,23 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP04
-//   K and V are double-buffered. Until now each tile was loaded, waited for, computed, and only then was
-//   the next one requested: the tensor cores idled through every load's full latency, and the loads
-//   idled through every tile's math. Now shared memory holds two stages of K and V (96 KB in all), and
-//   while the block computes tile j from one stage, the cp.async copies of tile j+1 fill the other:
+//   K and V are double-buffered. Until now each tile was loaded, waited for, computed, and only then was the next one
+//   requested: the tensor cores idled through every load's full latency, and the loads through every tile's math. Now
+//   shared memory holds two stages of K and V (96 KB in all), and while the block computes tile j from one stage, the
+//   cp.async copies of tile j+1 fill the other:
 //       prologue: issue Q and tile 0; wait; barrier
 //       loop j:   issue tile j+1 into stage (j+1)%2;  compute tile j from stage j%2;  wait; barrier
-//   The one barrier per tile now does two jobs: tile j+1 is complete for every thread, and every warp is
-//   done reading stage j%2, which the next iteration refills. Q's load also overlaps tile 0's.
+//   The one barrier per tile now does two jobs: tile j+1 is complete for every thread, and every warp is done reading
+//   stage j%2, which the next iteration refills. Q's load also overlaps tile 0's.
 //
-// PREDICTION: with 8 warps per block and ~1-2 blocks per SM there is little else to hide a tile load
-//   behind, so taking the loads off the critical path should pay well: +15-30%.
+// PREDICTION: with 8 warps per block and ~1-2 blocks per SM there is little else to hide a tile load behind, so
+//   taking the loads off the critical path should pay well: +15-30%.
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   218.5 / 227.7 / 232.6 -> 246.6 / 251.1 / 253.0 TFLOP/s (1.13 / 1.10 / 1.09x), 0.40 / 0.40 / 0.40x SDPA's cuDNN backend: at the low end of the prediction. With one 8-warp block per SM (241
-//   registers) the warps still run in lock-step between barriers, and the tensor pipe idles while all of
-//   them do their softmax at once (ncu on the first draft of step06, which had this step's 8-warp
-//   block: 34% tensor-pipe utilization, 0.57 eligible warps per scheduler;
-//   results/h200/exploration/ncu_step06_8warps.txt@3c57885). Steps 06 and 07 attack that.
+//   218.5 / 227.7 / 232.6 -> 246.6 / 251.1 / 253.0 TFLOP/s (1.13 / 1.10 / 1.09x), 0.40x SDPA's cuDNN backend: the low end
+//   of the prediction. With one 8-warp block per SM the warps still run in lock-step between barriers, and the tensor
+//   pipe idles while all of them do their softmax at once; steps 06 and 07 attack that.
+// CHECKED: every GPU check passed, and again as compute_80 PTX compiled by the driver
+//   (results/h200/2026-12-01T09-46-07Z-logs/checks.log, ptx-jit.log).
 #include "flashladder.cuh"
 #include "ptx.cuh"
 #include "swizzle.cuh"

@@ -5,32 +5,26 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP05
-//   The same math with fewer instructions around each mma. ncu on step05's kernel shape (8 warps x 16
-//   rows; results/h200/exploration/ncu_step06_8warps.txt@3c57885) counted ~866 instructions per warp per K/V
-//   tile for 128 mma, 2 warps per scheduler with only 0.57 of them ready per cycle, and the tensor pipe
-//   busy 34% of the time: every instruction that is not an mma stands in the mma's way. Four cuts:
-//   * ldmatrix.x4 instead of .x2 for K and V: one instruction fetches the B fragments of two 8-key
-//     blocks of K (or two 8-dim blocks of V). Half the ldmatrix instructions, the same bytes.
-//   * exp2 with the scale folded in: exp(scale * (s - max)) = 2^(s * scale_log2 - max * scale_log2)
-//     with scale_log2 = scale * log2(e): ONE FFMA and ONE ex2.approx (MUFU) per element, where step05
-//     paid an FMUL by the scale and libm's expf (a range reduction around the same MUFU). The running
-//     max is kept on the raw scores, which is why scale must be positive (the binding checks).
-//   * Lazy row sums: each lane sums its own columns of a row; the quad adds its 4 parts once, at the
-//     end, instead of two shuffles per row per tile. (The row MAX still takes the quad shuffles every
-//     tile: all 4 lanes must subtract the same max.)
-//   * Addresses by XOR: each lane computes its ldmatrix byte address once, at k-step 0; the address at
-//     k-step kk is that address XOR kk * KSTEP_BYTES (the swizzle permutes 16-byte chunks inside a
-//     128-byte span, common/swizzle.cuh), plus a constant the instruction can encode for another key
-//     block. One LOP3 per k-step instead of the full swizzle_128b() arithmetic for every ldmatrix. The
-//     cp.async offsets inside a tile use 32-bit math (the binding keeps row strides below 2^24).
+//   The same math with fewer instructions around each mma. ncu on step05's kernel shape counted ~866 instructions per
+//   warp per K/V tile for 128 mma, 0.57 ready warps per scheduler and the tensor pipe busy 34% of the time
+//   (results/h200/exploration/ncu_step06_8warps.txt@3c57885): every instruction that is not an mma stands in its way.
+//   * ldmatrix.x4 instead of .x2 for K and V: one instruction fetches the B fragments of two 8-key (or 8-dim) blocks.
+//   * exp2 with the scale folded in: exp(scale * (s - max)) = 2^(s * scale_log2 - max * scale_log2), ONE FFMA and ONE
+//     ex2.approx (MUFU) per element, where step05 paid an FMUL and libm's expf. The running max is kept on the raw
+//     scores, which is why scale must be positive (the binding checks).
+//   * Lazy row sums: each lane sums its own columns; the quad adds its 4 parts once, at the end. (The row MAX still
+//     takes the quad's shuffles every tile: all 4 lanes must subtract the same max.)
+//   * Addresses by XOR: each lane computes its ldmatrix address once; at k-step kk it is that address XOR
+//     kk * KSTEP_BYTES (the swizzle permutes 16-byte chunks inside a 128-byte span, common/swizzle.cuh), one LOP3 per
+//     k-step instead of swizzle_128b() for every ldmatrix. The cp.async offsets use 32-bit math (strides below 2^24).
 //   The tiling is step05's: 8 warps x 16 query rows, 64-key tiles, Q in registers for the whole loop.
 //
-// PREDICTION: ~1.2x step05. The first draft of this step (ldmatrix.x4 + exp2 + lazy sums, without the
-//   XOR addresses) ran at 301 / 310 TFLOP/s at N = 4K / 16K (results/h200/exploration/variants1.log@3c57885),
-//   and the XOR addresses gave nothing measurable on a 16-row-per-warp variant (results/h200/exploration/variants3.log@3c57885).
+// PREDICTION: ~1.2x step05: fewer instructions per mma, the same 8 warps in lock-step.
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   246.6 / 251.1 / 253.0 -> 309.7 / 316.1 / 319.0 TFLOP/s (1.26x at each N), 0.50 / 0.51 / 0.51x SDPA's cuDNN backend; 0.89 / 0.90 / 0.91x SDPA's FLASH
-//   backend (FlashAttention-2): as predicted. Fewer instructions per mma, the same 8 warps in lock-step.
+//   246.6 / 251.1 / 253.0 -> 309.7 / 316.1 / 319.0 TFLOP/s (1.26x at each N), 0.50 / 0.51 / 0.51x SDPA's cuDNN backend,
+//   0.89 / 0.90 / 0.91x its FLASH backend (FlashAttention-2): as predicted.
+// CHECKED: every GPU check passed, and again as compute_80 PTX compiled by the driver
+//   (results/h200/2026-12-01T09-46-07Z-logs/checks.log, ptx-jit.log); test_sass.py finds only four-matrix ldmatrix.
 #include "flashladder.cuh"
 #include "ptx.cuh"
 #include "swizzle.cuh"

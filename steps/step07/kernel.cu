@@ -5,29 +5,23 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP06
-//   A warp now owns 32 query rows, two 16-row mma blocks, instead of 16: 4 warps x 32 rows make the same
-//   128-row block. Every K fragment (and every V fragment) that a warp loads from shared memory with
-//   ldmatrix now feeds TWO mma, one per row block, where step06 fed one. Counting one 64-key tile per warp:
-//   step06 moves K and V (2 x 16 KB) through ldmatrix for 16 rows, this step for 32 rows, so the shared-
-//   memory traffic per mma falls by an estimated ~40% (Q's fragments, below, take back part of the half), and each warp
-//   has twice as many independent mma in flight between its ldmatrix.
-//   The price is registers. O (2 x 64) + S (2 x 32) accumulators per thread leave no room to keep Q in
-//   registers for the whole loop as step06 does: Q's fragments are re-read from shared memory at every
-//   k-step (two ldmatrix.x4 per k-step, rows 0-15 and 16-31). The k-step loop of Q K^T stays rolled
-//   (#pragma unroll 1): unrolled, ptxas hoists the fragment loads of later k-steps and spills at the
-//   255-register limit. 4 warps x 255 registers let 2 blocks share an SM: 8 warps as before, but from two
-//   independent blocks whose barriers do not line up, so one block's softmax can run beside the other's mma.
+//   A warp now owns 32 query rows, two 16-row mma blocks: 4 warps x 32 rows make the same 128-row block. Every K and V
+//   fragment a warp loads with ldmatrix now feeds TWO mma, one per row block, where step06 fed one: the shared-memory
+//   traffic per mma falls by an estimated ~40% (Q's fragments, below, take back part of the half), and each warp has
+//   twice as many independent mma in flight between its ldmatrix.
+//   The price is registers. O (2 x 64) + S (2 x 32) accumulators per thread leave no room to keep Q in registers for
+//   the whole loop: Q's fragments are re-read from shared memory at every k-step (two ldmatrix.x4, rows 0-15 and
+//   16-31). The k-step loop of Q K^T stays rolled (#pragma unroll 1): unrolled, ptxas hoists the fragment loads of
+//   later k-steps and spills at the 255-register limit. 4 warps x 255 registers let 2 blocks share an SM: 8 warps as
+//   before, but from two blocks whose barriers do not line up, so one block's softmax can run beside the other's mma.
 //
-// PREDICTION: ~1.15-1.2x step06, FlashAttention-2's level (~1.0x SDPA's FLASH backend). On the way to
-//   this step (results/h200/exploration/variants1.log@3c57885,
-//   results/h200/exploration/variants4.log@3c57885, NOTES.md), 16 rows per warp ran at
-//   301 / 310 TFLOP/s at N = 4K / 16K and this tiling, rolled and spill-free, at 359 / 360.
+// PREDICTION: ~1.15-1.2x step06, FlashAttention-2's level (~1.0x SDPA's FLASH backend); the variants on the way are in
+//   docs/design.md ("32 rows per warp, at the register file's limit").
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   309.7 / 316.1 / 319.0 -> 350.3 / 360.2 / 359.4 TFLOP/s (1.13 / 1.14 / 1.13x), 0.57 / 0.58 / 0.57x SDPA's cuDNN backend;
-//   1.01 / 1.03 / 1.02x SDPA's FLASH backend in the same run: FlashAttention-2's level, as predicted.
-//
-// BEFORE THE SPLIT (results/h200/2026-11-29T10-34-41Z.json, H200, N = 4K / 8K / 16K): this kernel was
-//   step06 and ran at 358.8 / 363.5 / 368.5 TFLOP/s, 1.02 / 1.02 / 1.03x SDPA's FLASH backend.
+//   309.7 / 316.1 / 319.0 -> 350.3 / 360.2 / 359.4 TFLOP/s (1.13 / 1.14 / 1.13x), 0.57 / 0.58 / 0.57x SDPA's cuDNN
+//   backend, 1.01 / 1.03 / 1.02x its FLASH backend in the same run: FlashAttention-2's level, as predicted.
+// CHECKED: every GPU check passed, and again as compute_80 PTX compiled by the driver
+//   (results/h200/2026-12-01T09-46-07Z-logs/checks.log, ptx-jit.log); ptxas reports no spill on any architecture.
 #include "flashladder.cuh"
 #include "ptx.cuh"
 #include "swizzle.cuh"

@@ -5,41 +5,27 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP07
-//   The first Hopper-only hardware: the Tensor Memory Accelerator (TMA) loads the tiles. Until now every
-//   thread computed addresses and issued cp.async copies of 16 bytes: a 64 x 128 K tile took 8 cp.async,
-//   their address math and a commit/wait per thread. Now ONE thread asks for a whole tile with
-//   cp.async.bulk.tensor (common/tma.cuh): the TMA unit walks the tensor through a tensor map (built on
-//   the host from the tensor's shape and strides, passed as a __grid_constant__ kernel parameter), writes
-//   shared memory already swizzled, and counts the bytes off an mbarrier (common/mbarrier.cuh).
-//   * Layout: TMA's 128-byte swizzle covers rows of at most 128 bytes, so a 256-byte head-dim row lands as
-//     two 64-column halves (common/swizzle.cuh: swizzle_tma_128b). The XOR addressing of steps 06-07
-//     carries over: k-steps 0-3 read half 0 and 4-7 half 1 (one more add per k-step).
-//   * Completion: each ring slot has a "full" mbarrier for K and one for V. Thread 0 arrives with
-//     expect_tx(16 KB) and issues the copies; every thread waits until the barrier's phase completes
-//     (try_wait.parity). A slot's n-th fill completes its phase n, so tile j waits on parity (j / STAGES) % 2.
-//     K and V have separate barriers: Q K^T starts as soon as K is in, while V may still be landing.
-//   * The ring: STAGES = 2 slots, as step07's double buffer. After computing tile j, a __syncthreads tells
-//     thread 0 that every warp is done with slot j % 2, and it refills the slot with tile j + 2 first thing
-//     in the next iteration (placed there for registers: see Step 2).
-//   * Any sequence length, for q and k/v alike (steps 01-07 need multiples of their tiles). TMA makes it
-//     nearly free: a load's rows past the tensor's end arrive as zeros. Tiles are counted with a ceiling,
-//     and three lines of math change: the zero keys' scores (0, not -inf) become -inf before their softmax,
-//     and the O and LSE stores skip rows past seqlen_q. The K/V walk runs from the LAST tile to the first,
-//     so the one partial tile is tile 0, masked behind a branch taken once (from step11 on, tile 0 has a
-//     GEMM block of its own, and only that block carries the mask).
-//   The math is untouched: still mma.sync with ldmatrix fragments; 4 warps x 32 rows, 2 blocks per SM.
+//   The first Hopper-only hardware: the Tensor Memory Accelerator (TMA) loads the tiles. Until now every thread issued
+//   16-byte cp.async copies with their address math; now ONE thread asks for a whole tile with cp.async.bulk.tensor
+//   (common/tma.cuh): the TMA unit walks the tensor through a tensor map (built on the host from its shape and strides,
+//   a __grid_constant__ parameter), writes shared memory already swizzled (a 256-byte row as two 64-column halves,
+//   swizzle_tma_128b), and counts the bytes off an mbarrier (common/mbarrier.cuh).
+//   * The ring: STAGES = 2 slots, each with a "full" mbarrier for K and one for V. Thread 0 arrives with expect_tx and
+//     issues the copies; every thread waits on the slot's phase, tile j on parity (j / STAGES) % 2, so Q K^T starts as
+//     soon as K is in. A __syncthreads after tile j frees slot j % 2, refilled with tile j + 2.
+//   * Any sequence length: a load's rows past the tensor's end arrive as zeros. Tiles are counted with a ceiling, the
+//     zero keys' scores become -inf, the stores skip rows past seqlen_q, and the K/V walk runs from the LAST tile to
+//     the first, so only tile 0 is partial, masked behind a branch taken once.
+//   The math is untouched: mma.sync with ldmatrix fragments, 4 warps x 32 rows, 2 blocks per SM.
 //
-// PREDICTION: little. The copies were never the bottleneck at this size (compute-bound ~45x at N = 16K),
-//   and step07's cp.async already overlapped them with compute. What TMA saves is issue slots: ~24
-//   instructions per thread per tile for the copies and their addresses (against ~1700 per tile in all),
-//   so +0-3%. It matters later: wgmma (step09) reads its operands straight from this swizzled layout, and a
-//   producer warp (step10) can keep the ring full alone because one thread issues every copy. Any seqlen:
-//   free at the lengths of record (one compare per tile; the mask runs only on a partial tile).
+// PREDICTION: +0-3%: the copies were never the bottleneck, and TMA saves only issue slots (~24 instructions per thread
+//   per tile of ~1700). It matters later: wgmma (step09) reads this layout, and one producer warp (step10) keeps the
+//   ring full. Any seqlen: free at the lengths of record (one compare per tile).
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   350.3 / 360.2 / 359.4 -> 376.3 / 379.9 / 385.3 TFLOP/s (1.07 / 1.05 / 1.07x), 0.61 / 0.61 / 0.61x SDPA's cuDNN backend: above the
-//   prediction. The instruction count alone does not explain it; not profiled. A likely part: the TMA copies
-//   take no issue slots and no registers from the computing warps at all, where cp.async's address math ran
-//   on a kernel already at the 255-register limit.
+//   350.3 / 360.2 / 359.4 -> 376.3 / 379.9 / 385.3 TFLOP/s (1.07 / 1.05 / 1.07x), 0.61x SDPA's cuDNN backend: above the
+//   prediction; not profiled (likely: the copies take no issue slots and no registers from a kernel at its limit).
+// CHECKED: every GPU check passed, ragged lengths included, and they fail on a copy without the tail mask; memcheck and
+//   racecheck clean (results/h200/2026-12-01T09-46-07Z-logs/checks.log, broken-copies.log, sanitizer_08_14.txt).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -289,7 +275,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
     const cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
     // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
-    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    // cost is measured in docs/design.md, "TMA: tensor maps encoded per call"); they travel in the launch's parameters.
     const FwdParams& p = *params;
     CUtensorMap Q_map, K_map, V_map;
     if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||

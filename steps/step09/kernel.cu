@@ -6,29 +6,25 @@
 //
 // WHAT CHANGED FROM STEP08
 //   Both matmuls move from mma.sync (one warp, 16x8x16, fragments loaded by ldmatrix) to wgmma.mma_async
-//   (common/wgmma.cuh): one instruction per WARPGROUP of 4 warps computes a 64 x 128 x 16 product, and the
-//   tensor cores read their shared-memory operands themselves through 64-bit descriptors. The ldmatrix
-//   loads, their addresses and the fragment registers all disappear from the main loop.
-//   * S = Q K^T is the "SS" form: Q (A, 64 rows of this warpgroup) and K (B, 128 keys) are both read from
-//     the TMA-swizzled tiles of step08, K-major. 8 wgmma per tile, one per 16-wide k-step of the head dim.
-//   * O += P V is the "RS" form: P stays in registers as the A operand, exactly as it did for mma.sync (the
-//     wgmma accumulator layout of each warp IS mma's D layout, so two 8-key blocks of S are one A fragment
-//     of P); V is read N-major from shared memory (imm-trans-b). 8 wgmma per tile, one per 16 keys.
-//   * wgmma is asynchronous: a fence before the first wgmma that reads registers written since, a commit,
-//     and a wait before the accumulators may be read. Here each product is issued, committed and waited for
-//     at once: the overlap of the two products with the softmax comes in steps 11 and 13.
-//   * The tiling follows the instruction: 2 warpgroups x 64 rows = the same 128-row block, and 128-key
-//     tiles (wgmma's N = 128 for S; the ring now holds 2 x 64 KB of K/V, 160 KB with Q), 157 registers per
-//     thread, one block of 8 warps per SM.
+//   (common/wgmma.cuh): one instruction per WARPGROUP of 4 warps computes a 64 x 128 x 16 product, and the tensor cores
+//   read their shared-memory operands themselves through 64-bit descriptors. The ldmatrix loads, their addresses and
+//   the fragment registers all leave the main loop.
+//   * S = Q K^T is the "SS" form: Q (A, this warpgroup's 64 rows) and K (B, 128 keys) are both read from the
+//     TMA-swizzled tiles, K-major; 8 wgmma per tile, one per 16-wide k-step of the head dim.
+//   * O += P V is the "RS" form: P stays in registers as the A operand (each warp's accumulator layout IS mma's D
+//     layout, so two 8-key blocks of S are one A fragment of P); V is read N-major (imm-trans-b).
+//   * wgmma is asynchronous: a fence before the first wgmma that reads registers written since, a commit, and a wait
+//     before the accumulators are read. Here each product is waited for at once: the overlap comes in steps 11 and 13.
+//   * The tiling follows the instruction: 2 warpgroups x 64 rows = the same 128-row block, 128-key tiles (the ring
+//     holds 2 x 64 KB of K/V, 160 KB with Q), 157 registers per thread, one block of 8 warps per SM.
 //
-// PREDICTION: the mma.sync path tops out near 0.5x of the tensor cores' rate on Hopper (it issues from
-//   each warp, with ldmatrix traffic per mma); wgmma is the path that reaches the rest. Without any
-//   overlap yet (softmax and GEMMs in turn, in both warpgroups at once) expect ~1.2-1.3x step08, ~430-470
-//   TFLOP/s.
+// PREDICTION: mma.sync tops out near 0.5x of the tensor cores' rate on Hopper; wgmma is the path to the rest. Without
+//   any overlap yet (softmax and GEMMs in turn) expect ~1.2-1.3x step08, ~430-470 TFLOP/s.
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   376.3 / 379.9 / 385.3 -> 525.9 / 536.3 / 541.5 TFLOP/s (1.40 / 1.41 / 1.41x), 0.86 / 0.86 / 0.86x SDPA's cuDNN backend
-//   (1.50 / 1.49 / 1.51x step07: the target asked for a fifth more). Above the prediction: with the ldmatrix
-//   traffic gone, the two warpgroups' softmax and GEMMs already interleave somewhat.
+//   376.3 / 379.9 / 385.3 -> 525.9 / 536.3 / 541.5 TFLOP/s (1.40 / 1.41 / 1.41x), 0.86x SDPA's cuDNN backend: above the
+//   prediction; with the ldmatrix traffic gone, the two warpgroups' softmax and GEMMs already interleave somewhat.
+// CHECKED: every GPU check passed; memcheck and racecheck clean (results/h200/2026-12-01T09-46-07Z-logs/checks.log,
+//   sanitizer_08_14.txt); test_sass.py finds HGMMA in both forms and no HMMA or LDSM.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -243,7 +239,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
     const cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
     // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
-    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    // cost is measured in docs/design.md, "TMA: tensor maps encoded per call"); they travel in the launch's parameters.
     const FwdParams& p = *params;
     CUtensorMap Q_map, K_map, V_map;
     if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||

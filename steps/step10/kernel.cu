@@ -5,34 +5,29 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP09
-//   The warps split into roles (FlashAttention-3's structure). In step09 every warp both computed and, once
-//   per tile, stopped at a __syncthreads so that thread 0 could refill the slot everyone had finished with:
-//   the whole block marched in lock-step, and each refill waited for the slowest warp. Now:
-//   * warpgroup 0 is the PRODUCER (producer_load): one thread issues every TMA copy. It waits on a slot's
-//     "empty" mbarrier, then refills it and the copy completes the slot's "full" mbarrier.
-//   * warpgroups 1 and 2 are CONSUMERS (consumer_mma), 64 query rows each, step09's math unchanged. They
-//     wait on "full", compute, and release the slot by arriving on "empty" (one arrival per warp, right
-//     after the wgmma that last reads the tile: K after S = Q K^T, V after O += P V). A consumer's
-//     registers (O, the running max and sum) and what it does with them (compute_tile, epilogue) are one
-//     struct, MmaWarpgroup: each role is now a function of its own, and the later steps change these.
-//   No block-wide barrier remains in the loop: the two consumers drift apart freely, and the producer runs
-//   up to STAGES tiles ahead of the slower one. The barriers, per slot s (parity = its use count % 2):
-//
+//   The warps split into roles (FlashAttention-3's structure). In step09 every warp computed and, once per tile,
+//   stopped at a __syncthreads so that thread 0 could refill the slot everyone had finished with: the block marched in
+//   lock-step, each refill waiting for the slowest warp. Now:
+//   * warpgroup 0 is the PRODUCER (producer_load): one thread issues every TMA copy, after waiting on the slot's
+//     "empty" mbarrier; the copy completes the slot's "full" mbarrier.
+//   * warpgroups 1 and 2 are CONSUMERS (consumer_mma), 64 query rows each, step09's math unchanged: they wait on
+//     "full", compute, and release the slot on "empty" (one arrival per warp, right after the wgmma that last reads it:
+//     K after S = Q K^T, V after O += P V). A consumer's registers and what it does with them are one struct,
+//     MmaWarpgroup: each role is a function of its own, which the later steps change.
+//   No block-wide barrier remains in the loop; the producer runs up to STAGES tiles ahead of the slower consumer:
 //       producer:  wait K_empty[s] -> TMA K -> K_full[s]      wait V_empty[s] -> TMA V -> V_full[s]
 //       consumer:  wait K_full[s] -> S = QK^T -> arrive K_empty[s] ... wait V_full[s] -> O += PV -> arrive V_empty[s]
+//   * setmaxnreg: the launch bound (384 threads, 1 block per SM) caps every thread at 168 registers; the producer
+//     gives its registers back (setmaxnreg.dec to 24) and the consumers take them (setmaxnreg.inc to 240).
 //
-//   * setmaxnreg: the launch bound (384 threads, 1 block per SM) caps every thread at 168 registers at
-//     entry; the producer warpgroup then gives its registers back (setmaxnreg.dec to 24) and the consumers
-//     take them (setmaxnreg.inc to 240), which they need once S, P and O are all live.
-//
-// PREDICTION: +10-20% over step09: the producer takes the copies and the refill barrier off the consumers'
-//   path, and the two consumer warpgroups, no longer in lock-step, overlap one's softmax with the other's
-//   wgmma now and then (ping-pong, step11, makes that deliberate).
+// PREDICTION: +10-20%: the copies and the refill barrier leave the consumers' path, and the two consumers, no longer
+//   in lock-step, overlap one's softmax with the other's wgmma now and then (ping-pong, step11, makes that deliberate).
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   525.9 / 536.3 / 541.5 -> 546.3 / 563.6 / 568.5 TFLOP/s (1.04 / 1.05 / 1.05x), 0.89 / 0.91 / 0.90x SDPA's cuDNN backend (the
-//   target, 0.90x, is met at 8K and 16K, not quite at 4K). Below the prediction: the refill barrier was cheap,
-//   and two free-running consumers fall into step more often than not. The measured timeline
-//   (results/h200/timeline/step10.png) shows both consumers' softmaxes side by side.
+//   525.9 / 536.3 / 541.5 -> 546.3 / 563.6 / 568.5 TFLOP/s (1.04 / 1.05 / 1.05x), 0.89 / 0.91 / 0.90x SDPA's cuDNN
+//   backend. Below the prediction: the refill barrier was cheap, and two free-running consumers fall into step more
+//   often than not, their softmaxes side by side (the measured timeline: results/h200/timeline/step10.png).
+// CHECKED: every GPU check passed; memcheck and racecheck clean (results/h200/2026-12-01T09-46-07Z-logs/checks.log,
+//   sanitizer_08_14.txt); test_sass.py finds setmaxnreg's USETMAXREG.DEALLOC and TRY_ALLOC.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -323,7 +318,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
     const cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
     // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
-    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    // cost is measured in docs/design.md, "TMA: tensor maps encoded per call"); they travel in the launch's parameters.
     const FwdParams& p = *params;
     CUtensorMap Q_map, K_map, V_map;
     if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||

@@ -5,35 +5,29 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP10
-//   At head dim 128 the softmax is not small next to the GEMMs: per 64 x 128 tile a warpgroup issues 16
-//   wgmma (2 x 64 x 128 x 128 multiply-adds) and 8192 exponentials on the MUFU unit, which does 16 per
-//   clock per SM, so the exponentials alone take about half as long as the two GEMMs. In step10 each
-//   consumer alternates GEMMs and softmax, and while it does its softmax the tensor cores have only what
-//   the other consumer happens to issue. Ping-pong (FlashAttention-3) makes the two take turns:
-//   * The GEMMs between two softmaxes form one BLOCK: O += P V of the previous tile, then S = Q K^T of this
-//     one. The loop is reordered around blocks (block 0 = S of tile 0, block n = P V of the last tile,
-//     peeled so that no wgmma sits on a conditional path): gemm_block_first, _steady and _last, built
-//     from step10's pieces, now methods of their own (issue_qk, issue_pv, softmax), with S and P kept
-//     in the struct from one block to the next.
-//   * Two named barriers, one per consumer ("whose turn", struct Turn). A consumer waits on its own (bar.sync)
-//     before issuing a block and arrives on the other's (bar.arrive) right after issuing: the blocks reach the
-//     tensor cores in the order c0, c1, c0, c1, ... and while one consumer's block runs, the other, whose
-//     block has just finished, does its softmax.
-//
+//   At head dim 128 the softmax is not small next to the GEMMs: per 64 x 128 tile a warpgroup issues 16 wgmma and 8192
+//   exponentials on the MUFU unit (16 per clock per SM), which alone take about half as long as the two GEMMs. In
+//   step10, while a consumer does its softmax, the tensor cores have only what the other happens to issue. Ping-pong
+//   (FlashAttention-3) makes the two take turns:
+//   * The GEMMs between two softmaxes form one BLOCK: O += P V of the previous tile, then S = Q K^T of this one. The
+//     loop is reordered around blocks (block 0 = S of tile 0, the last = P V of the last tile, peeled so that no wgmma
+//     sits on a conditional path): gemm_block_first, _steady and _last, from step10's pieces, now methods of their own
+//     (issue_qk, issue_pv, softmax), with S and P kept in the struct from one block to the next.
+//   * Two named barriers, one per consumer ("whose turn", struct Turn). A consumer waits on its own (bar.sync) before
+//     issuing a block and arrives on the other's (bar.arrive) right after: the blocks reach the tensor cores as
+//     c0, c1, c0, c1, ... and while one consumer's block runs, the other does its softmax.
 //       consumer 0:  [block j]  softmax j  ...........  [block j+1]  softmax j+1
 //       consumer 1:  ..........  [block j]  softmax j   ...........  [block j+1]
-//       tensor cores: c0 block j | c1 block j | c0 block j+1 | c1 block j+1 | ...
+//   Consumer 1 arrives once before its loop so that consumer 0 goes first, and skips its hand-over after the last
+//   block, so that each barrier ends with as many arrivals as waits.
 //
-//   Consumer 1 arrives once before its loop so that consumer 0 goes first, and skips its hand-over after
-//   the last block, so that each barrier ends with as many arrivals as waits.
-//
-// PREDICTION: the tensor cores stay busy through each softmax as long as one softmax is shorter than the
-//   other consumer's block: +10-15% over step10 (FlashAttention-3's own ablation puts ping-pong at a
-//   similar share).
+// PREDICTION: +10-15% over step10, while one softmax is shorter than the other consumer's block (FlashAttention-3's
+//   own ablation puts ping-pong at a similar share).
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   546.3 / 563.6 / 568.5 -> 600.5 / 617.6 / 626.3 TFLOP/s (1.10x at each N), 0.98 / 0.99 / 1.00x SDPA's cuDNN backend: at
-//   the low end of the prediction. The timeline (results/h200/timeline/step11.png) shows the alternation,
-//   and the turn waits it costs.
+//   546.3 / 563.6 / 568.5 -> 600.5 / 617.6 / 626.3 TFLOP/s (1.10x at each N), 0.98 / 0.99 / 1.00x SDPA's cuDNN backend:
+//   the low end of the prediction. The timeline (results/h200/timeline/step11.png) shows the alternation and its waits.
+// CHECKED: every GPU check passed; memcheck and racecheck clean (results/h200/2026-12-01T09-46-07Z-logs/checks.log,
+//   sanitizer_08_14.txt); test_sass.py finds BAR.ARV, the hand-over.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -382,7 +376,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
     const cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
     // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
-    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    // cost is measured in docs/design.md, "TMA: tensor maps encoded per call"); they travel in the launch's parameters.
     const FwdParams& p = *params;
     CUtensorMap Q_map, K_map, V_map;
     if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||

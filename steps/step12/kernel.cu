@@ -5,25 +5,25 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP11
-//   The running max of a row is only a SHIFT that keeps the exponentials from overflowing: any shift gives
-//   the same result as long as l and O use the same one (verify/model.py proves it in float64). Until now
-//   every tile moved the shift to the new max and so rescaled O by alpha = 2^(m_old - m_new): 64 FMUL per
-//   thread per tile, nearly always by a factor close to 1. Now the shift moves only when a row's new max
-//   exceeds it by more than RESCALE_THRESHOLD = 8 (log2 units; P stays <= 2^8 in between, harmless in bf16
-//   and fp32). Rows that keep their shift have alpha = 1, and a warp none of whose 16 rows moved skips the
-//   O rescale entirely (a warp-uniform branch on __any_sync): after the first few tiles of a row, the
-//   common case. The first tile always moves (m = -inf).
+//   The running max of a row is only a SHIFT that keeps the exponentials from overflowing: any shift gives the same
+//   result as long as l and O use the same one (verify/model.py proves it in float64). Until now every tile moved the
+//   shift to the new max and so rescaled O by alpha = 2^(m_old - m_new): 64 FMUL per thread per tile, nearly always by
+//   a factor close to 1. Now the shift moves only when a row's new max exceeds it by more than RESCALE_THRESHOLD = 8
+//   (log2 units; P stays <= 2^8 in between, harmless in bf16 and fp32). Rows that keep their shift have alpha = 1, and
+//   a warp none of whose 16 rows moved skips the O rescale entirely (a warp-uniform branch on __any_sync): after the
+//   first few tiles of a row, the common case. The first tile always moves (m = -inf). A peaked row's dominant key now
+//   gets a P rounded in bf16, which the checks' bound allows for (docs/design.md, "The conditional rescale and peaked
+//   rows").
 //
-// PREDICTION: small here. In ping-pong a consumer's softmax already runs under the other consumer's GEMM
-//   block, so taking 64 FMUL of ~250 instructions per row pair out of it shortens a phase that is mostly
-//   hidden: +0-2%. The idea pays when the softmax has to fit under this warpgroup's OWN P V (step13).
-// ON THE WAY (results/h200/variants-2026-12-01-s12.log, steady state, N = 4K / 16K, one run): against
-//   step11's 597.7 / 625.9 TFLOP/s, this step ran at 600.4 / 625.4; step13's overlap without it (the fence
-//   in, O rescaled every tile) at 588.8 / 617.3, below step11 -- the reason for this order.
+// PREDICTION: small here. In ping-pong a consumer's softmax already runs under the other consumer's GEMM block, so
+//   taking 64 FMUL of ~250 instructions per row pair out of it shortens a phase that is mostly hidden: +0-2%. The idea
+//   pays when the softmax has to fit under this warpgroup's OWN P V (step13; docs/design.md, "The overlap needs a
+//   fence, and the conditional rescale before it").
 // MEASURED (results/h200/2026-12-01T09-46-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   600.5 / 617.6 / 626.3 -> 596.6 / 616.5 / 625.6 TFLOP/s (0.99 / 1.00 / 1.00x), 0.97 / 0.99 / 0.99x SDPA's cuDNN backend: no
-//   gain alone, as predicted (within the run-to-run spread; in the run above it came out 1.00x). It is kept for
-//   what it lets step13 do.
+//   600.5 / 617.6 / 626.3 -> 596.6 / 616.5 / 625.6 TFLOP/s (0.99 / 1.00 / 1.00x), 0.97 / 0.99 / 0.99x SDPA's cuDNN
+//   backend: no gain alone, as predicted (within the run-to-run spread). It is kept for what it lets step13 do.
+// CHECKED: every GPU check passed; memcheck and racecheck clean (results/h200/2026-12-01T09-46-07Z-logs/checks.log,
+//   sanitizer_08_14.txt); test_sass.py finds the VOTE.ANY that skips the rescale.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -385,7 +385,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
     const cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
     // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
-    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    // cost is measured in docs/design.md, "TMA: tensor maps encoded per call"); they travel in the launch's parameters.
     const FwdParams& p = *params;
     CUtensorMap Q_map, K_map, V_map;
     if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||

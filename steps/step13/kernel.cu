@@ -5,52 +5,29 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP12
-//   In step12 a consumer waits for its whole GEMM block (P V of tile j-1, then S of tile j) before its
-//   softmax of tile j starts; only the OTHER consumer's block can hide that softmax. But the softmax of
-//   tile j needs only S_j, not the P V: so issue S_j first, then P V of tile j-1, as two commit groups,
-//   and start the softmax as soon as the first group is done (wgmma.wait_group 1) while the tensor cores
-//   are still on this warpgroup's own P V.
-//   The softmax splits in two: the part on S alone (max, exponentials, row sums, alpha) runs under the
-//   P V; the part that touches O and P_frag -- rescale O by alpha, round P to bf16 -- waits for the P V to
-//   complete (wait_group 0), because that wgmma is still accumulating into O and reading P_frag.
-//   The smem slots are released as early as each product allows: K after wait_group 1, V after 0.
-//
+//   In step12 a consumer waits for its whole GEMM block (P V of tile j-1, then S of tile j) before its softmax of tile
+//   j starts, though that softmax needs only S_j. Now S_j is issued first and P V of tile j-1 after it, as two commit
+//   groups; the softmax starts once the first is done (wgmma.wait_group 1), under this warpgroup's own P V, and only
+//   what touches O and P_frag (rescale O, round P to bf16) waits for it (wait_group 0). K's slot is released after
+//   wait_group 1, V's after 0.
 //       step12:  issue [PV j-1, S j] -> wait all -> softmax j (max, exp, rescale O, P)
 //       step13:  issue [S j][PV j-1] -> wait S   -> softmax j (max, exp) -> wait PV -> rescale O, P
+//   * One fence after the softmax (keep_work_before_wait(), common/wgmma.cuh): without it ptxas moves the wait for P V
+//     up into the row max's shuffles, above all 64 exponentials of a thread (docs/design.md, "The overlap needs a
+//     fence, and the conditional rescale before it").
+//   * The row max in short chains: written as one loop it is a chain of 16 dependent FMNMX per row that the
+//     exponentials wait for; now four independent chains of four per row, both rows' maxima before both quads'
+//     shuffles, the longest chain 8. fmax is exact in any order: O and LSE are bitwise what one chain gives. It pays
+//     only once the kernel is persistent (docs/design.md, "The row max in short chains"), beside the overlap it serves.
 //
-//   * The fence that keeps the wait for P V below the softmax (keep_work_before_wait(), common/wgmma.cuh).
-//     Written as above, ptxas moves the wait for P V (WARPGROUP.DEPBAR.LE gsb0, 0x0) up into the row max's
-//     shuffles, above all 64 exponentials of each thread: only the max would run under the P V. One fence
-//     after the softmax keeps the wait where the source puts it (verify/tests/test_sass.py counts the
-//     MUFU.EX2 between the two waits).
-//   * The row max in short chains. Between the two waits a warp has little to issue but its softmax, and
-//     the exponentials wait for the row's max. Written as one loop, fmaxf(tile_max, ...),
-//     that max is a chain of 16 dependent FMNMX per row (19 with the shuffles), and ptxas keeps it so. Now
-//     each row's max is four independent chains of four, and the source puts both rows' maxima before both
-//     quads' shuffles (here ptxas keeps that order; in step14 it starts row 0's shuffles amid row 1's chains):
-//     the longest chain is 8 (test_sass.py follows the registers). fmax is exact in any order, so O and LSE
-//     are bitwise what one chain gives.
-//
-// PREDICTION: the exponentials of one warpgroup now overlap its own P V as well as the other consumer's
-//   block, so even when the two consumers drift into step with each other the tensor cores have work:
-//   +5-10% over step12. The short max chains were found on step14, where they gave 1.009 / 1.012 / 1.023x at
-//   N = 4K / 16K and the video shape (results/h200/2026-12-01-fa3-sync-and-176/ab14-max.log): +1-2% more.
-// ON THE WAY (results/h200/variants-2026-12-01-s12.log, steady state, N = 4K / 16K, one run): this order
-//   matters. The same overlap on step11, where O is rescaled after every tile, ran at 588.8 / 617.3 TFLOP/s
-//   with the fence and 612.7 / 634.8 without it (the build the ladder had as its step12 until 2026-12):
-//   the likely cause is the unconditional O rescale, 64 FMUL per thread that then wait for the P V alone,
-//   where ptxas's order had mixed them with the exponentials. With the rescale rare (step12), the fenced
-//   overlap ran at 625.7 / 660.8.
-//   The short max chains pay only once the kernel is persistent (results/h200/2026-12-01-max2/ab-placement.log,
-//   one run, N = 4K / 16K, each against its own build with one chain): 0.990 / 1.001x on this step,
-//   1.007 / 1.020x on step14, and 0.962 / 0.957x on step06, where they stay out. They are here, with the overlap
-//   they serve, rather than in a step of their own: the ladder stops at fourteen.
-// MEASURED (results/h200/2026-12-01T16-28-07Z.json, H200, steady state, N = 4K / 8K / 16K):
+// PREDICTION: the exponentials now overlap this warpgroup's own P V as well as the other consumer's block, so the
+//   tensor cores have work even when the two consumers drift into step: +5-10% over step12.
+// MEASURED (results/h200/2026-12-01T16-28-07Z.json, results/h200/2026-12-01T09-46-07Z-logs/trace.log, N = 4K / 8K / 16K):
 //   600.9 / 621.7 / 632.3 -> 632.6 / 659.4 / 659.8 TFLOP/s (1.05 / 1.06 / 1.04x), 1.02 / 1.05 / 1.05x SDPA's cuDNN backend,
-//   inside the prediction for the overlap; the short max chains add nothing here, as the A/B above found.
-//   The tensor cores work more of the time: in one traced CTA of the build before the short max chains
-//   (results/h200/2026-12-01T09-46-07Z-logs/trace.log), a GEMM is in flight 57.8% of the run against step12's 23.2%
-//   (results/h200/timeline/step13.png).
+//   inside the prediction; in one traced CTA of the build before the short chains a GEMM is in flight 57.8% of the run
+//   against step12's 23.2%.
+// CHECKED: every GPU check passed; memcheck and racecheck clean (results/h200/2026-12-01T16-28-07Z-logs/checks.log,
+//   sanitizer_13_15.txt); test_sass.py counts the MUFU.EX2 between the two waits and the longest FMNMX chain.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -438,7 +415,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
     const cudaError_t err = raise_smem_limit_once<attention_fwd_kernel>(SMEM_BYTES);
     if (err != cudaSuccess) return err;
     // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
-    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    // cost is measured in docs/design.md, "TMA: tensor maps encoded per call"); they travel in the launch's parameters.
     const FwdParams& p = *params;
     CUtensorMap Q_map, K_map, V_map;
     if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||

@@ -5,37 +5,28 @@
 // 10 warp specialization -> 11 ping-pong -> 12 conditional rescale -> 13 intra-warpgroup overlap -> 14 persistent.
 //
 // WHAT CHANGED FROM STEP13
-//   Until now one CTA computed one 128-row work tile and exited: every tile paid the start-up (barrier
-//   init, the first Q and K/V loads with nothing to overlap them) and the tail (the last P V, the
-//   normalization and the global stores, with the tensor cores idle). Now the grid is one CTA per SM and
-//   each CTA loops over work tiles:
-//   * Tile scheduler (work_tile): tile t = (q_tile, head, batch) with q_tile fastest, CTA b takes tiles b,
-//     b + grid, ... The CTAs that run at the same time work on neighbouring Q tiles of the same few (batch,
-//     head) pairs (at N = 4K a head has 32 tiles, so 132 CTAs span about four heads), so each K/V tile
-//     comes from HBM once and from L2 after that.
-//   * The producer runs on from one tile into the next: the K/V ring's count and phases continue across
-//     tiles, and a new Q_empty barrier (one arrival per consumer warp, after the tile's last S = Q K^T)
-//     lets it load the next tile's Q while the consumers still finish the last P V and the epilogue.
-//   * Epilogue through shared memory: each consumer writes its normalized 64 x 128 output into a tile of
-//     its own in TMA's swizzled layout, fences (fence.proxy.async: ordinary stores, read by the TMA unit),
-//     and one thread stores it with two bulk tensor copies, which leave out rows past seqlen_q. The copies
-//     complete in the background while the warpgroup starts its next tile; before overwriting its output
-//     tile it waits for the previous store to have READ it (cp.async.bulk.wait_group.read). The ping-pong
-//     turn protocol restarts with every tile (consumer 1 hands consumer 0 the first turn each time).
-//   Shared memory: Q 32 KB + K/V ring 128 KB + output 32 KB = 192 KB.
+//   Until now one CTA computed one 128-row work tile and exited: every tile paid the start-up (barrier init, the first
+//   Q and K/V loads with nothing to overlap them) and the tail (the last P V, the normalization and the global stores,
+//   with the tensor cores idle). Now the grid is one CTA per SM and each CTA loops over work tiles:
+//   * Tile scheduler (work_tile): tile t = (q_tile, head, batch) with q_tile fastest, CTA b takes tiles b, b + grid, ...
+//     The CTAs that run at the same time work on neighbouring Q tiles of the same few heads (at N = 4K a head has 32
+//     tiles, so 132 CTAs span about four heads): each K/V tile comes from HBM once and from L2 after that.
+//   * The producer runs on from one tile into the next: the K/V ring's count and phases continue across tiles, and a
+//     Q_empty barrier (one arrival per consumer warp, after the tile's last S = Q K^T) lets it load the next tile's Q
+//     while the consumers finish the last P V and the epilogue.
+//   * Epilogue through shared memory: each consumer writes its normalized 64 x 128 output, swizzled, into a tile of its
+//     own, fences (fence.proxy.async), and one thread stores it with two TMA copies (rows past seqlen_q left out) that
+//     complete under the next tile; before reusing the tile it waits for the store to have READ it
+//     (cp.async.bulk.wait_group.read). Shared memory: Q 32 KB + K/V ring 128 KB + output 32 KB = 192 KB.
 //
-// PREDICTION: the start-up and tail per tile are small next to 32-128 K/V tiles of work at N = 4K-16K,
-//   so the gain is mostly at the short sequences: +2-5% at N = 1K-2K, +1-2% at 16K.
+// PREDICTION: the start-up and tail per tile are small next to 32-128 K/V tiles of work at N = 4K-16K, so the gain is
+//   mostly at the short sequences: +2-5% at N = 1K-2K, +1-2% at 16K.
 // MEASURED (results/h200/2026-12-01T16-28-07Z.json, H200, steady state, N = 4K / 8K / 16K):
-//   632.6 / 659.4 / 659.8 -> 671.8 / 685.6 / 688.9 TFLOP/s (1.06 / 1.04 / 1.04x), 1.08 / 1.09 / 1.09x SDPA's cuDNN backend;
-//   530.7 -> 609.4 at N = 1K (1.15x): above the prediction at short sequences and at 16K, where part of the gain is
-//   step13's short max chains, which pay only here (1.007 / 1.020x at 4K / 16K against one chain,
-//   results/h200/2026-12-01-max2/ab-placement.log). Against FlashAttention-3 in the same run: 1.00 / 0.99 / 0.99x
-//   (668.5 / 695.3 / 696.6), and 691.1 against 704.9 at the video shape (0.98x); the 1.10x cuDNN target is not met;
-//   0.98 / 1.00 / 1.01x the cuBLAS bf16 GEMM 8192^3 of the same run (683.5).
-// ON THE WAY (results/h200/variants-2026-12-01-s12.log, steady state, N = 4K / 16K): the restructure of
-//   steps 10-14 into named functions left the speed alone: 662.0 / 674.0 TFLOP/s beside the build before
-//   it (old14) at 664.6 / 671.1, in one run.
+//   632.6 / 659.4 / 659.8 -> 671.8 / 685.6 / 688.9 TFLOP/s (1.06 / 1.04 / 1.04x), 1.08 / 1.09 / 1.09x SDPA's cuDNN
+//   backend; 530.7 -> 609.4 at N = 1K (1.15x): above the prediction, in part step13's short max chains, which pay only
+//   here. 1.00 / 0.99 / 0.99x FlashAttention-3, 0.98x at the video shape; the 1.10x cuDNN target is not met.
+// CHECKED: every GPU check passed; memcheck and racecheck clean (results/h200/2026-12-01T16-28-07Z-logs/checks.log,
+//   sanitizer_13_15.txt); test_sass.py finds the UTMASTG of the epilogue.
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"
@@ -483,7 +474,7 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
         if (device < MAX_DEVICES) sm_count[device] = sms;
     }
     // The tensor maps, encoded on the host for every call (host work only, no round trip to the GPU; the
-    // cost is measured in NOTES.md); they travel to the GPU inside the launch's parameters.
+    // cost is measured in docs/design.md, "TMA: tensor maps encoded per call"); they travel in the launch's parameters.
     const FwdParams& p = *params;
     CUtensorMap Q_map, K_map, V_map, O_map;  // O: written in boxes of one consumer's 64 rows
     if (encode_tile_map(&Q_map, p.q, p.q_stride, p.seqlen_q, p.heads, p.batch, BLOCK_M) != CUDA_SUCCESS ||
