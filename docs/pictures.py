@@ -1,67 +1,267 @@
-"""Draw the pictures of docs/hopper.md into docs/img/: `python docs/pictures.py` (matplotlib, no GPU).
+"""The teaching pictures of docs/ (docs/img/*.png), drawn from the kernels' own constants.
 
-One picture per Hopper mechanism of steps 08-10. The sizes in them (ring slots, tile heights, bytes, register
-budgets) are read from the steps' kernel.cu, so a picture shows what the code does; the layouts (swizzle,
-accumulator fragments) are computed from their definitions, not drawn by hand.
+    python docs/pictures.py                 # draw every picture into docs/img/
+    python docs/pictures.py causal_mask     # only these (file names without .png)
+    python docs/pictures.py --check         # which pictures are stale (exit 1 if any), drawing nothing
+
+Every size in a picture (tile heights, ring slots, bytes, register budgets, thresholds, the pair of CTAs, the
+4K keys from which pairs run) is read from a step's kernel.cu or from common/*.cuh, and the layouts and schedules
+(fragments, swizzle, the persistent grid's rounds, the causal pairing, the split tail) are computed from the
+kernels' own formulas, ported here function by function. Part I's pictures read the step that introduces the
+mechanism; Part II's read the final step (the last steps/stepNN), which keeps every idea of the ladder. The
+only numbers of the pictures' own are the GPU (the H200's 132 SMs) and the example shapes, named below.
+
+HOW A PICTURE STAYS TRUE. Each PNG carries, in a text chunk, the constants it was drawn from (where, name,
+value) and a hash of the code that drew it (its function, the helpers it calls, the module constants they
+read). `stale()` reads them back and compares them with the tree: a kernel whose constant changed, or a
+drawing that changed, without `python docs/pictures.py` run after it, makes verify/tests/test_figures.py fail
+with the picture, the constant and both values.
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
+import inspect
 import io
+import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
-from PIL import Image  # noqa: E402  (Pillow: a dependency of matplotlib)
+from PIL import Image, PngImagePlugin  # noqa: E402  (Pillow: a dependency of matplotlib)
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "img"
-DPI = 110
+IMG = "docs/img"
+DPI = 100
+META_KEY = "flashladder-picture"  # the PNG text chunk that holds what a picture was drawn from
+
+# The machine and the shapes the pictures take as examples (not read from the kernels: parameters of the pictures).
+H200_SMS = 132                    # the H200's SMs: one CTA each in the persistent grid
+DENSE_4K = (4, 16, 4096)          # batch, heads, N: a shape of record (16K tokens, 16 heads), 4K keys
+GQA_HEADS = (32, 8)               # query heads, K/V heads: the grouped-heads shape of record
+ELEM_BYTES = 2                    # bf16
+CHUNK_ELEMS = 16 // ELEM_BYTES    # one 16-byte chunk: 8 bf16
+ATOM_ROWS = 8                     # one 128-byte swizzle atom: 8 rows of 128 bytes (1024 bytes)
 
 # One colour per role, used the same way in every picture.
 C_TMA = "#4c78a8"       # TMA copies, the producer
 C_COMPUTE = "#f58518"   # tensor-core work, the consumers
-C_BARRIER = "#54a24b"   # mbarriers
-C_EMPTY = "#e45756"     # "empty" barriers (step10)
+C_SOFTMAX = "#72b7b2"   # softmax (exponentials, max, sums) on the other units
+C_BARRIER = "#54a24b"   # mbarriers, "full"
+C_EMPTY = "#e45756"     # "empty" barriers
+C_WAIT = "#bab0ac"      # waiting
 C_GRID = "#555555"
+C_LIGHT = "#eeeeee"
 CHUNK_COLOURS = plt.get_cmap("tab10").colors[:8]   # 16-byte chunk c % 8
 REG_COLOURS = ["#c6dbef", "#7fb2dc", "#fdd0a2", "#f9a65a"]  # a fragment's four registers
+PAIR_COLOURS = ["#9ecae1", "#fdae6b"]  # the two CTAs of a pair (rank 0, rank 1)
 
 
-def constant(path: Path, name: str) -> int:
-    """`constexpr int ... NAME = <number>` from a source file: the picture follows the code."""
-    m = re.search(rf"\b{name}\s*=\s*(\d+)\s*[,;]", path.read_text())
-    if not m:
-        sys.exit(f"pictures.py: no `{name} = <number>` in {path.relative_to(ROOT)}: update the picture to the code")
-    return int(m.group(1))
+# ---------------------------------------------------------------- reading the code
+
+class Code:
+    """The kernels' sources under `root`, and the constants a picture read from them (`reads`, in order)."""
+
+    def __init__(self, root: Path = ROOT):
+        self.root = Path(root)
+        self.reads: list[dict] = []
+
+    def final_step(self) -> str:
+        """The last steps/stepNN: the final kernel, which keeps every idea of the ladder."""
+        steps = sorted(p.name for p in self.root.glob("steps/step[0-9][0-9]") if (p / "kernel.cu").is_file())
+        if not steps:
+            raise LookupError(f"no steps/stepNN/kernel.cu under {self.root}")
+        return steps[-1]
+
+    def path_of(self, where: str) -> Path:
+        """`where`: "steps/stepNN/kernel.cu", "common/x.cuh", or "final" (the final step's kernel.cu)."""
+        return self.root / (f"steps/{self.final_step()}/kernel.cu" if where == "final" else where)
+
+    def source(self, where: str) -> str:
+        """A source without its comments: a constant is what the code says, not what a comment says of it."""
+        text = self.path_of(where).read_text()
+        return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+
+    def read(self, where: str, *names: str, branch: int = 0, cast=int):
+        """The value a source gives `NAME = ...` (`constexpr int`, `static constexpr`, a `float 8.f`, an enum member),
+        the first of `names` it defines: a number, or an expression of numbers and other constants of the source
+        or of common/*.cuh (`BLOCK_M / NUM_CONSUMERS`); for `NAME = COND ? a : b`, a (branch 0) or b (branch 1)."""
+        for name in names:
+            value = self._value(where, name, branch)
+            if value is not None:
+                read = {"where": where, "names": list(names), "name": name, "value": cast(value)}
+                self.reads.append(read | ({"branch": branch} if branch else {}))
+                return read["value"]
+        raise LookupError(f"no `{' or '.join(names)} = <number>` in {self.path_of(where).relative_to(self.root)}: "
+                          "update docs/pictures.py to the code")
+
+    COMMON = ("common/flashladder.cuh", "common/swizzle.cuh", "common/wgmma.cuh")
+
+    def _value(self, where: str, name: str, branch: int = 0, depth: int = 0):
+        """`name`'s value in `where` (then in common/), or None."""
+        for source in (where, *self.COMMON):
+            text = self.source(source)
+            for m in re.finditer(rf"\b{name}\s*=\s*([^;,{{}}]+?)\s*[,;}}]", text):
+                expr = m.group(1)
+                cond = re.fullmatch(r"[\w:<>]+\s*\?\s*(.+?)\s*:\s*(.+)", expr)
+                if cond:
+                    expr = cond.group(1 + branch)
+                value = self._evaluate(expr, where, depth)
+                if value is not None:
+                    return value
+        return None
+
+    def _evaluate(self, expr: str, where: str, depth: int):
+        expr = re.sub(r"sizeof\(__nv_bfloat16\)", str(ELEM_BYTES), expr)
+        expr = re.sub(r"(\d+(?:\.\d*)?)f\b", r"\1", expr)
+        if depth > 8:
+            return None
+        for ident in sorted(set(re.findall(r"\b[A-Za-z_]\w*\b", expr)), key=len, reverse=True):
+            value = self._value(where, ident, 0, depth + 1)
+            if value is None:
+                return None
+            expr = re.sub(rf"\b{ident}\b", repr(value), expr)
+        if not re.fullmatch(r"[\d.\s()+\-*/%]+", expr):
+            return None
+        return eval(expr.replace("/", "//") if "." not in expr else expr)  # C's integer division; only digits and operators
+
+    def find(self, where: str, pattern: str, what: str) -> list[str]:
+        """The groups of a regular expression's first match in a source without comments (an instruction's shape)."""
+        m = re.search(pattern, self.source(where))
+        if not m:
+            raise LookupError(f"no {what} (/{pattern}/) in {self.path_of(where).relative_to(self.root)}: "
+                              "update docs/pictures.py to the code")
+        self.reads.append({"where": where, "pattern": pattern, "name": what, "value": list(m.groups())})
+        return list(m.groups())
+
+    # The constants of common/ that many pictures use.
+    def head_dim(self) -> int:
+        return self.read("common/flashladder.cuh", "HEAD_DIM")
+
+    def box_cols(self) -> int:
+        """A TMA box row: 64 bf16 = 128 bytes, the widest row the 128-byte swizzle takes."""
+        return self.read("common/swizzle.cuh", "TMA_HALF_COLS")
+
+    def step(self, step: str, *names: str, **kw):
+        return self.read(f"steps/{step}/kernel.cu", *names, **kw)
+
+    def final(self, *names: str, **kw):
+        return self.read("final", *names, **kw)
+
+    def again(self, read: dict):
+        """A recorded read done again on this tree: its value now (LookupError where it is gone)."""
+        if "pattern" in read:
+            return self.find(read["where"], read["pattern"], read["name"])
+        return self.read(read["where"], *read["names"], branch=read.get("branch", 0), cast=type(read["value"]))
 
 
-def step_constant(step: str, name: str) -> int:
-    return constant(ROOT / "steps" / step / "kernel.cu", name)
+# ---------------------------------------------------------------- the registry, the fingerprint, the PNG
+
+PICTURES: dict[str, callable] = {}  # file name -> the function that draws it (fig = draw(code))
 
 
-HEAD_DIM = constant(ROOT / "common" / "flashladder.cuh", "HEAD_DIM")
-ELEM_BYTES = 2                    # bf16
-# a TMA box row: 64 bf16 = 128 bytes, the widest row the 128-byte swizzle takes (common/swizzle.cuh)
-BOX_COLS = constant(ROOT / "common" / "swizzle.cuh", "TMA_HALF_COLS")
-CHUNK_ELEMS = 16 // ELEM_BYTES    # one 16-byte chunk: 8 bf16
-ATOM_ROWS = 8                     # one swizzle atom: 8 rows of 128 bytes
+def picture(name: str):
+    def register(draw):
+        PICTURES[name] = draw
+        return draw
+    return register
 
 
-def save(fig, name: str) -> Path:
-    """PNG with a 256-colour palette: flat diagrams lose nothing and the files stay ~3x smaller."""
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / name
+def _names(code) -> set[str]:
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            out |= _names(const)
+    return out
+
+
+def code_text(draw) -> str:
+    """The source a picture depends on: its function, the module's functions it calls (transitively), and the
+    values of the module constants they read."""
+    module = sys.modules[draw.__module__]
+    parts, seen, todo = [], set(), [draw]
+    while todo:
+        fn = todo.pop()
+        if fn.__name__ in seen:
+            continue
+        seen.add(fn.__name__)
+        parts.append(inspect.getsource(fn))
+        for name in sorted(_names(fn.__code__)):
+            obj = getattr(module, name, None)
+            if inspect.isfunction(obj) and obj.__module__ == draw.__module__:
+                todo.append(obj)
+            elif inspect.isclass(obj) and obj.__module__ == draw.__module__ and name not in seen:
+                seen.add(name)
+                parts.append(inspect.getsource(obj))
+            elif isinstance(obj, (int, float, str, tuple)) and not name.startswith("__") and name not in seen:
+                seen.add(name)
+                parts.append(f"{name} = {obj!r}")
+    return "\n".join(parts)
+
+
+def fingerprint(name: str, code: Code) -> dict:
+    return {"picture": name, "generator": "docs/pictures.py", "reads": code.reads,
+            "code": hashlib.sha256(code_text(PICTURES[name]).encode()).hexdigest()[:16]}
+
+
+def draw(name: str, root: Path = ROOT, out: Path | None = None) -> Path:
+    """Draw one picture from the sources under `root` into `out` (default root/docs/img)."""
+    code = Code(root)
+    fig = PICTURES[name](code)
+    out = Path(out or root / IMG)
+    out.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     fig.savefig(buf, dpi=DPI, format="png")
     plt.close(fig)
-    Image.open(buf).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
-    return path
+    info = PngImagePlugin.PngInfo()
+    info.add_text(META_KEY, json.dumps(fingerprint(name, code), sort_keys=True))
+    # A 256-colour palette: flat diagrams lose nothing and the files stay ~3x smaller.
+    image = Image.open(buf).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+    image.save(out / name, optimize=True, pnginfo=info)
+    return out / name
 
+
+def drawn_from(png: Path) -> dict | None:
+    """What a PNG says it was drawn from (None: no such record, so not drawn by this module)."""
+    text = Image.open(png).text.get(META_KEY)
+    return json.loads(text) if text else None
+
+
+def stale(png: Path, root: Path = ROOT) -> list[str]:
+    """Why `png` no longer shows what the code under `root` says (empty: it is up to date)."""
+    where = f"{IMG}/{png.name}"
+    meta = drawn_from(png)
+    if meta is None:
+        return [f"{where}: not drawn by docs/pictures.py (no {META_KEY} record in the PNG)"]
+    name = meta.get("picture")
+    if name not in PICTURES or name != png.name:
+        return [f"{where}: drawn as {name!r}, which docs/pictures.py no longer draws"]
+    problems, code = [], Code(root)
+    for read in meta["reads"]:
+        try:
+            now = code.again(read)
+        except LookupError as e:
+            problems.append(f"{where}: drawn with {read['name']} = {read['value']} from {_source(read)}, {e}")
+            continue
+        if now != read["value"]:
+            problems.append(f"{where}: drawn with {read['name']} = {read['value']} from {_source(read)}, which now says {now}")
+    if meta.get("code") != fingerprint(name, Code(root))["code"]:
+        problems.append(f"{where}: the code that draws it (docs/pictures.py, {PICTURES[name].__name__} and its helpers) changed")
+    return [p + ": run `python docs/pictures.py`" for p in problems]
+
+
+def _source(read: dict) -> str:
+    return "the final step's kernel.cu" if read["where"] == "final" else read["where"]
+
+
+# ---------------------------------------------------------------- drawing helpers
 
 def box(ax, x, y, w, h, text="", colour="white", edge=C_GRID, size=9, alpha=1.0, lw=1.0, **kw):
     ax.add_patch(Rectangle((x, y), w, h, facecolor=colour, edgecolor=edge, alpha=alpha, lw=lw))
@@ -69,8 +269,8 @@ def box(ax, x, y, w, h, text="", colour="white", edge=C_GRID, size=9, alpha=1.0,
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size, **kw)
 
 
-def arrow(ax, start, end, colour=C_GRID, text="", size=8, style="-|>", text_offset=(0, 0), ls="-", **kw):
-    ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=12, color=colour, lw=1.3, ls=ls,
+def arrow(ax, start, end, colour=C_GRID, text="", size=8, style="-|>", text_offset=(0, 0), ls="-", lw=1.3, **kw):
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=12, color=colour, lw=lw, ls=ls,
                                  shrinkA=2, shrinkB=2, **kw))
     if text:
         ax.text((start[0] + end[0]) / 2 + text_offset[0], (start[1] + end[1]) / 2 + text_offset[1], text, fontsize=size,
@@ -81,6 +281,347 @@ def blank(ax, xlim, ylim):
     ax.set_xlim(*xlim)
     ax.set_ylim(*ylim)
     ax.set_axis_off()
+
+
+def caption(fig, text: str, y: float = 0.01, width: int = 170, size: float = 9, x: float = 0.5):
+    """A note under a picture, wrapped to `width` characters a line; a blank line starts a new paragraph."""
+    lines = "\n".join(textwrap.fill(par, width) for par in text.split("\n\n"))
+    fig.text(x, y, lines, ha="center" if x == 0.5 else "left", va="bottom", fontsize=size)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def lane(ax, y, label, size=9):
+    ax.text(-0.15, y + 0.35, label, ha="right", va="center", fontsize=size)
+
+
+# ---------------------------------------------------------------- steps 01-07: the algorithm on any GPU since Ampere
+
+@picture("tiling.png")
+def tiling(k: Code):
+    block_m, block_n, head_dim = k.step("step01", "BLOCK_M"), k.step("step01", "BLOCK_N"), k.head_dim()
+    n_tiles = 8                                  # an example of 8 K/V tiles
+    n = n_tiles * block_n
+    q_tiles = n // block_m
+    i, j = min(2, q_tiles - 1), 5                # the CTA shown, and the K/V tile it is at
+    d = head_dim / block_n                       # the head dim in units of K/V tiles
+    fig = plt.figure(figsize=(12, 7.4))
+    fig.suptitle(f"step01: Q in tiles of {block_m} rows, K and V in tiles of {block_n} keys; one CTA per Q tile walks every "
+                 "K/V tile", fontsize=13)
+    ax = fig.add_axes([0.01, 0.01, 0.98, 0.9])
+    bm = block_m / block_n                       # a Q tile's height in the same units
+    top = q_tiles * bm
+    blank(ax, (-d - 1.0, n_tiles + 15.5), (-1.6, top + d + 1.0))
+    # Q on the left, K^T on top, S = Q K^T in the middle.
+    for qi in range(q_tiles):
+        box(ax, -d - 0.6, top - (qi + 1) * bm, d, bm, f"Q tile {qi}" if qi == i else "", C_TMA if qi == i else C_LIGHT,
+            size=8, color="white" if qi == i else "black")
+    ax.text(-d / 2 - 0.6, top + 0.2, f"Q [{n} x {head_dim}]", ha="center", fontsize=9)
+    for kj in range(n_tiles):
+        box(ax, kj, top + 0.4, 1, d, f"K{kj}" if kj <= j else "", C_TMA if kj == j else C_LIGHT, size=8,
+            color="white" if kj == j else "black")
+        for qi in range(q_tiles):
+            if qi != i:
+                box(ax, kj, top - (qi + 1) * bm, 1, bm, "", "white", edge="#cccccc", lw=0.5)
+            else:
+                colour = C_COMPUTE if kj == j else "#fde0c5" if kj < j else "white"
+                box(ax, kj, top - (qi + 1) * bm, 1, bm, f"S{qi},{kj}" if kj <= j else "", colour, size=8)
+    ax.text(n_tiles / 2, top + d + 0.6, f"K$^T$ [{head_dim} x {n}]", ha="center", fontsize=9)
+    ax.text(n_tiles / 2, -0.5, f"S = Q K$^T$ [{n} x {n}]: never stored whole. CTA {i} computes its row of tiles one at a "
+            f"time,\nleft to right; the {block_m} x {block_n} scores of a tile live only while it is processed.",
+            ha="center", va="top", fontsize=9)
+    arrow(ax, (0.2, top - (i + 1) * bm - 0.25), (n_tiles - 0.2, top - (i + 1) * bm - 0.25), C_COMPUTE, style="-|>")
+    # V below-right, and the update of O.
+    x0 = n_tiles + 1.2
+    for kj in range(n_tiles):
+        box(ax, x0, top - (kj + 1), d, 1, f"V{kj}" if kj <= j else "", C_TMA if kj == j else C_LIGHT, size=8,
+            color="white" if kj == j else "black")
+    ax.text(x0 + d / 2, top + 0.2, f"V [{n} x {head_dim}]", ha="center", fontsize=9)
+    x1 = x0 + d + 1.2
+    box(ax, x1, top - (i + 1) * bm, d, bm, f"O tile {i}\n(registers)", C_COMPUTE, size=8)
+    ax.text(x1 + d / 2, top + 0.2, f"O [{n} x {head_dim}]", ha="center", fontsize=9)
+    smem = (block_m + 2 * block_n) * head_dim * ELEM_BYTES
+    ax.text(x1 + d + 0.6, top,
+            f"For K/V tile {j}, CTA {i}:\n"
+            f"1. loads K{j} and V{j} ({block_n} x {head_dim} bf16 each)\n   into shared memory, beside Q tile {i}: "
+            f"{smem // 1024} KB\n"
+            f"2. S = Q K{j}$^T$ ({block_m} x {block_n} scores)\n"
+            "3. the online softmax of each row (next picture)\n"
+            f"4. O += P V{j}\n\nAfter the last tile: O / l, stored once.\n"
+            "Memory traffic: Q, K, V read, O written;\nthe N x N scores never leave the chip.",
+            fontsize=9, va="top")
+    return fig
+
+
+def online_softmax_row(scores: np.ndarray, block_n: int):
+    """The online softmax of one row, tile by tile (verify/model.py's loop, for one row): after each tile the
+    running max m, the rescale factor alpha = exp(m_old - m_new) and the running sum l."""
+    m, row_sum, out = -np.inf, 0.0, []
+    for j in range(len(scores) // block_n):
+        s = scores[j * block_n:(j + 1) * block_n]
+        m_new = max(m, s.max())
+        alpha = np.exp(m - m_new)
+        row_sum = alpha * row_sum + np.exp(s - m_new).sum()
+        out.append({"tile_max": s.max(), "m": m_new, "alpha": alpha, "l": row_sum})
+        m = m_new
+    return out
+
+
+@picture("online_softmax.png")
+def online_softmax(k: Code):
+    block_n = k.step("step01", "BLOCK_N")
+    n_tiles = 8
+    rng = np.random.default_rng(7)
+    scores = rng.normal(0.0, 1.0, n_tiles * block_n)
+    for j, bump in ((2, 1.6), (5, 2.6)):          # two tiles whose keys score higher: the max moves there
+        scores[j * block_n:(j + 1) * block_n] += bump
+    steps = online_softmax_row(scores, block_n)
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(12, 7.4), gridspec_kw={"height_ratios": [3, 2]})
+    fig.suptitle(f"The online softmax: one query row across {n_tiles} K/V tiles of {block_n} keys (step01; every step since)",
+                 fontsize=13)
+    x = np.arange(len(scores))
+    ax.scatter(x, scores, s=4, color=C_TMA, label="the row's scores s (scale folded in)")
+    for j, st in enumerate(steps):
+        a, b = j * block_n, (j + 1) * block_n
+        ax.axvline(a, color="#cccccc", lw=0.8)
+        ax.plot([a, b], [st["m"]] * 2, color=C_COMPUTE, lw=2.5, label="running max m after the tile" if j == 0 else None)
+        if j and st["alpha"] < 1:
+            ax.text(a + 1, st["m"] + 0.12, f"alpha = {st['alpha']:.2f}", fontsize=8, va="bottom", color=C_COMPUTE)
+        ax.text((a + b) / 2, scores.min() - 0.3, f"tile {j}", ha="center", fontsize=8)
+    big = min(range(1, n_tiles), key=lambda j: steps[j]["alpha"])  # the largest move
+    ax.annotate("where a tile's max is above the running max, the max moves, and\nwhat was summed before (l and O) is "
+                "multiplied by alpha = exp(m_old - m_new)", xy=(big * block_n + 2, steps[big]["m"]),
+                xytext=(block_n * 0.3, steps[big]["m"] + 0.9), fontsize=9, arrowprops=dict(arrowstyle="->", color=C_GRID))
+    ax.set_xlim(0, len(scores))
+    ax.set_ylim(scores.min() - 0.7, scores.max() + 2.0)
+    ax.set_xticks([])
+    ax.set_ylabel("score")
+    ax.legend(loc="upper right", fontsize=8.5)
+    total = np.exp(scores - steps[-1]["m"]).sum()
+    ls = [st["l"] * np.exp(st["m"] - steps[-1]["m"]) for st in steps]
+    ax2.bar(np.arange(n_tiles), [st["l"] for st in steps], width=0.4, color=C_COMPUTE, label="l after tile j, relative to "
+            "its m: l = alpha l + sum exp(s - m)")
+    ax2.bar(np.arange(n_tiles) + 0.42, ls, width=0.4, color=C_SOFTMAX, label="the same sums relative to the final m")
+    ax2.axhline(total, color=C_GRID, ls="--", lw=1, label="the row's whole sum, relative to the final m")
+    ax2.set_xticks(np.arange(n_tiles) + 0.21, [f"after tile {j}" for j in range(n_tiles)], fontsize=8)
+    ax2.legend(loc="upper left", fontsize=8.5)
+    ax2.set_ylabel("row sum l")
+    fig.text(0.5, 0.005, "Each tile is seen once: its exponentials use the max so far, and whenever the max moves, what was "
+             "summed before (l, and O = sum exp(s - m) v) is multiplied by alpha.\nAfter the last tile l is the whole "
+             "sum (the dashed line), and O / l is exactly softmax(s) V: verify/model.py checks it in float64.",
+             ha="center", fontsize=9)
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.92, bottom=0.12, hspace=0.25)
+    return fig
+
+
+def mma_owner(fragment: str, row: int, col: int) -> tuple[int, int]:
+    """(lane, register) of element (row, col) of mma.m16n8k16's A [16 x 16], B [16 x 8] (k, n) or C [16 x 8] fragment,
+    as the PTX ISA defines them (groupID g = lane / 4, threadID_in_group t = lane % 4); a register holds two elements."""
+    if fragment == "A":   # a0,a1: (g, 2t..2t+1), a2,a3: (g+8, ..), a4..a7: the same, 8 columns on: 4 registers
+        return 4 * (row % 8) + (col % 8) // 2, (row // 8) + 2 * (col // 8)
+    if fragment == "B":   # b0,b1: (k = 2t..2t+1, n = g), b2,b3: k + 8: 2 registers
+        return 4 * col + (row % 8) // 2, row // 8
+    return 4 * (row % 8) + col // 2, row // 8   # C: c0,c1: (g, 2t..2t+1), c2,c3: (g+8, ..): 2 registers of pairs
+
+
+@picture("mma_fragments.png")
+def mma_fragments(k: Code):
+    m, n, kk = (int(v) for v in k.find("common/ptx.cuh", r"mma\.sync\.aligned\.m(\d+)n(\d+)k(\d+)", "mma.sync's shape"))
+    fig = plt.figure(figsize=(13, 6.6))
+    fig.suptitle(f"step02: mma.sync.m{m}n{n}k{kk}, D [{m} x {n}] += A [{m} x {kk}] B [{kk} x {n}]: which lane holds which "
+                 "element (T lane, in register colour)", fontsize=12)
+    ax = fig.add_axes([0.01, 0.01, 0.98, 0.86])
+    blank(ax, (-1.5, kk + n + n + 6.5), (-5.2, m + 1.6))
+    panels = [("A", 0, m, kk, "A (Q, or P): 4 registers, 8 bf16"), ("B", kk + 2, kk, n, "B (K, or V): 2 registers, 4 bf16"),
+              ("C", kk + n + 4, m, n, "C, D (S, or O): 4 fp32 registers")]
+    for frag, x0, rows, cols, title in panels:
+        ax.text(x0 + cols / 2, m + 0.9, title, ha="center", fontsize=10)
+        for r in range(rows):
+            for c in range(cols):
+                lane_, reg = mma_owner(frag, r, c)
+                if frag == "C":
+                    reg = 2 * reg + c % 2          # C's registers hold one fp32 each: c0..c3
+                box(ax, x0 + c, m - 1 - r, 1, 1, f"T{lane_}", REG_COLOURS[reg % 4], size=5.2, lw=0.3)
+            if frag != "B" or r % 8 == 0:
+                ax.text(x0 - 0.15, m - 0.5 - r, str(r), ha="right", va="center", fontsize=6)
+        for c in range(cols):
+            ax.text(x0 + c + 0.5, m + 0.15, str(c), ha="center", fontsize=6)
+    for reg in range(4):
+        box(ax, 11 * reg, -1.6, 0.8, 0.8, "", REG_COLOURS[reg])
+        ax.text(11 * reg + 1.0, -1.2, f"register {reg}: A's a{reg}, " + (f"B's b{reg}, " if reg < 2 else "") + f"C's c{reg}",
+                fontsize=8.5, va="center")
+    ax.text(0, -2.6, "g = lane / 4 picks the row (and g + 8), t = lane % 4 the pair of columns 2t, 2t + 1. A row of C (a row of S) "
+            "is spread over the 4 lanes of a quad,\nso the softmax's row max and row sum take two shuffles (xor 1, xor 2). "
+            "The C fragments of two neighbouring 8-key blocks of S, rounded to bf16,\nare exactly an A fragment of P: "
+            "P goes from the accumulators into the next mma without shared memory. common/ptx.cuh: mma_m16n8k16_bf16_f32.",
+            fontsize=9, va="top")
+    return fig
+
+
+@picture("ldmatrix.png")
+def ldmatrix(k: Code):
+    rows_per_warp = k.step("step02", "ROWS_PER_WARP")
+    row_expr, col_expr = k.find("steps/step02/kernel.cu", r"ldmatrix_x4\(Q_frag\[kk\], Q_smem \+ \((.*?)\) \* HEAD_DIM \+ (.*?)\);",
+                                "ldmatrix.x4's address of Q")
+    fig = plt.figure(figsize=(13, 6.4))
+    fig.suptitle(f"step02: ldmatrix.x4 loads a warp's {rows_per_warp} x 16 slice of Q from shared memory into the A fragment "
+                 "of mma", fontsize=12)
+    ax = fig.add_axes([0.01, 0.01, 0.98, 0.88])
+    blank(ax, (-3, 33), (-5.4, 17.6))
+    matrix_colours = ["#c6dbef", "#7fb2dc", "#fdd0a2", "#f9a65a"]
+    ax.text(4, 16.9, "shared memory: 16 rows, each two 16-byte chunks\n(8 bf16 each); the lane that gives each address",
+            ha="center", fontsize=9)
+    for ln in range(32):
+        r, chunk = ln % 16, ln // 16                 # step02: row lane % 16, dims + (lane / 16) * 8
+        box(ax, chunk * 4, 15 - r, 4, 1, f"lane {ln}: row {r}", matrix_colours[ln // 8], size=7.5)
+    for chunk in range(2):
+        ax.text(chunk * 4 + 2, 16.15, f"dims {8 * chunk}-{8 * chunk + 7}", ha="center", fontsize=8)
+        for half in range(2):
+            ax.text(-0.2 if chunk == 0 else 8.2, 11.5 - 8 * half, f"matrix {2 * chunk + half}", fontsize=8.5, va="center",
+                    ha="right" if chunk == 0 else "left")
+    ax.text(4, -0.6, f"the lane's address: Q_smem + ({row_expr}) * HEAD_DIM\n + {col_expr}   (step02/kernel.cu)", ha="center",
+            va="top", fontsize=8.5)
+    arrow(ax, (10.5, 8), (14, 8), C_GRID, "ldmatrix.x4", size=9, text_offset=(0, 0.5))
+    x0 = 15.5
+    ax.text(x0 + 8, 16.9, "registers: matrix i (the addresses of lanes 8i .. 8i + 7)\ngoes to register i of every lane",
+            ha="center", fontsize=9)
+    for r in range(16):
+        for c in range(16):
+            ln, reg = mma_owner("A", r, c)
+            box(ax, x0 + c, 15 - r, 1, 1, f"T{ln}" if c % 2 == 0 else "", matrix_colours[reg], size=6, lw=0.3)
+    ax.text(x0 + 8, -0.6, "= mma's A fragment: register i of lane l holds row l/4 (+8), columns 2(l%4), +1 (+8)\n"
+            "of matrix i: a0 to a3 with no shuffle and no address per element.", ha="center", va="top", fontsize=8.5)
+    ax.text(-2.5, -3.0, "Each 8 x 8 matrix is 8 rows of 16 bytes: one shared-memory request per matrix, if the 8 rows sit in "
+            "different banks (step04).\nK, stored [key, dim], is already mma's B (\"col\") layout: ldmatrix without .trans. V, "
+            "also [key, dim], is needed k-major for O += P V:\nldmatrix.trans hands each lane the transposed pairs. step06 loads "
+            "K and V four matrices at a time (.x4).", fontsize=8.5, va="top")
+    return fig
+
+
+@picture("bank_conflicts.png")
+def bank_conflicts(k: Code):
+    head_dim = k.head_dim()
+    (atom,) = (int(v) for v in k.find("common/swizzle.cuh", r"chunk \^ \(row % (\d+)\)", "swizzle_128b's XOR"))
+    chunks = head_dim * ELEM_BYTES // 16
+    fig = plt.figure(figsize=(13, 6.4))
+    fig.suptitle(f"step04: rows of {head_dim} bf16 ({head_dim * ELEM_BYTES} bytes); an ldmatrix reads chunk 0 of {atom} rows",
+                 fontsize=13)
+    for panel, swizzled in enumerate((False, True)):
+        ax = fig.add_axes([0.01 + 0.5 * panel, 0.02, 0.48, 0.86])
+        blank(ax, (-2.5, chunks + 0.5), (-6.5, atom + 2.2))
+        ax.text(chunks / 2, atom + 1.5, "swizzled: chunk c of row r stored at c ^ (r % 8)" if swizzled else
+                "plain: chunk c of row r stored at position c", ha="center", fontsize=11)
+        hits = [0] * 8
+        for r in range(atom):
+            ax.text(-0.2, atom - 0.5 - r, f"row {r}", ha="right", va="center", fontsize=8)
+            for pos in range(chunks):
+                c = (pos % 8 ^ r % 8) + pos // 8 * 8 if swizzled else pos
+                read = c == 0
+                if read:
+                    hits[pos % 8] += 1
+                box(ax, pos, atom - 1 - r, 1, 1, str(c), CHUNK_COLOURS[c % 8], size=7, alpha=1.0 if read else 0.35,
+                    lw=2.5 if read else 0.5, edge="black" if read else C_GRID)
+        for pos in range(chunks):
+            ax.text(pos + 0.5, atom + 0.15, f"{4 * (pos % 8)}-{4 * (pos % 8) + 3}", ha="center", fontsize=6, rotation=90)
+        ax.text(-0.2, atom + 0.5, "banks", ha="right", fontsize=7)
+        for g in range(8):
+            box(ax, 2 * g, -3.3, 2, 2.2 * hits[g] / atom + 0.02, "", C_EMPTY if hits[g] > 1 else C_BARRIER)
+            ax.text(2 * g + 1, -3.6, f"{4 * g}-{4 * g + 3}", ha="center", va="top", fontsize=7)
+            if hits[g]:
+                ax.text(2 * g + 1, -3.2 + 2.2 * hits[g] / atom, str(hits[g]), ha="center", va="bottom", fontsize=8)
+        worst = max(hits)
+        ax.text(chunks / 2, -4.6, f"requests per group of 4 banks: {worst} on one group, {worst} wavefronts"
+                if worst > 1 else "one request per group of 4 banks: 1 wavefront", ha="center", va="top", fontsize=9.5,
+                color=C_EMPTY if worst > 1 else C_BARRIER)
+    fig.text(0.5, 0.005, f"32 banks of 4 bytes span 128 bytes, so chunk positions p and p + 8 share banks, and a "
+             f"{head_dim * 2}-byte row puts chunk 0 of every row on banks 0-3.\nThe XOR by the row (common/swizzle.cuh) spreads "
+             f"the {atom} chunks over all 32 banks; writers and readers use the same function. TMA's 128-byte swizzle (step08) "
+             "is the same idea, in hardware.", ha="center", fontsize=9)
+    return fig
+
+
+def pipeline_schedule(stages: int, tiles: int, load: float, compute: float):
+    """steps 04-05: with one buffer each tile is loaded, waited for and computed in turn; with `stages` buffers the
+    copies of tile j + 1 are issued before tile j is computed, and one wait + barrier per tile closes both."""
+    loads, computes, t = [], [], 0.0
+    if stages == 1:
+        for _ in range(tiles):
+            loads.append((t, t + load))
+            computes.append((t + load, t + load + compute))
+            t += load + compute
+        return loads, computes
+    loads.append((0.0, load))
+    t = load
+    for j in range(tiles):
+        if j + 1 < tiles:
+            loads.append((t, t + load))
+        computes.append((t, t + compute))
+        t = max(t + compute, loads[-1][1] if j + 1 < tiles else 0.0)
+    return loads, computes
+
+
+@picture("cp_async_pipeline.png")
+def cp_async_pipeline(k: Code):
+    stages, block_n = k.step("step05", "STAGES"), k.step("step05", "BLOCK_N")
+    tiles, load, compute = 6, 1.0, 1.3
+    fig = plt.figure(figsize=(12, 5.6))
+    fig.suptitle(f"steps 04 -> 05: K/V tiles of {block_n} keys through 1 buffer, then through {stages} (cp.async)",
+                 fontsize=13)
+    ax = fig.add_axes([0.12, 0.2, 0.86, 0.7])
+    single, double = pipeline_schedule(1, tiles, load, compute), pipeline_schedule(stages, tiles, load, compute)
+    end = max(single[1][-1][1], double[1][-1][1])
+    blank(ax, (-0.2, end + 0.3), (-0.6, 5.2))
+    for y0, (loads, computes), title in ((3.0, single, "step04, one buffer"), (0.0, double, f"step05, {stages} buffers")):
+        ax.text(0, y0 + 2.1, title, ha="left", fontsize=10, weight="bold")
+        lane(ax, y0 + 1.1, "copies in flight")
+        lane(ax, y0, "tensor cores, softmax")
+        for j, (a, b) in enumerate(loads):
+            box(ax, a, y0 + 1.1, b - a, 0.7, f"tile {j} -> buf {j % stages if y0 == 0 else 0}", C_TMA, size=7.5,
+                color="white")
+        for j, (a, b) in enumerate(computes):
+            box(ax, a, y0, b - a, 0.7, f"tile {j}", C_COMPUTE, size=8)
+            ax.plot([b, b], [y0 - 0.1, y0 + 1.9], color=C_BARRIER, lw=1.2, ls=":")
+    ax.annotate("time", xy=(end, -0.45), xytext=(end - 1.2, -0.45), fontsize=9, va="center",
+                arrowprops=dict(arrowstyle="->", color=C_GRID))
+    fig.text(0.02, 0.02, "A schematic, not a measurement: a tile's copies take 1.0, its math 1.3 (units of time). Dotted: "
+             "cp.async.wait_group + __syncthreads, once per tile.\nWith one buffer the tile's loads and its math alternate. "
+             f"With {stages}, the copies of tile j + 1 are issued into the other buffer before tile j is computed, so they "
+             "land during its math;\nthe one barrier per tile says both that tile j + 1 has landed and that every warp is done "
+             "with the buffer the next copies overwrite.", fontsize=9)
+    return fig
+
+
+@picture("two_row_blocks.png")
+def two_row_blocks(k: Code):
+    warps6, rows6 = k.step("step06", "NUM_WARPS"), k.step("step06", "ROWS_PER_WARP")
+    warps7, rows7, m_blocks = k.step("step07", "NUM_WARPS"), k.step("step07", "ROWS_PER_WARP"), k.step("step07", "M_BLOCKS")
+    block_m, block_n, head_dim = k.step("step07", "BLOCK_M"), k.step("step07", "BLOCK_N"), k.head_dim()
+    tile_kb = 2 * block_n * head_dim * ELEM_BYTES // 1024    # K and V of one tile
+    fig = plt.figure(figsize=(12, 6.4))
+    fig.suptitle(f"step07: {warps7} warps of {rows7} rows instead of {warps6} of {rows6}: every K/V fragment read from shared "
+                 f"memory feeds {m_blocks} mma", fontsize=12)
+    for panel, (warps, rows, step) in enumerate(((warps6, rows6, "step06"), (warps7, rows7, "step07"))):
+        ax = fig.add_axes([0.01 + 0.5 * panel, 0.13, 0.48, 0.78])
+        blank(ax, (-3.5, 12), (-1.2, block_m / 8 + 1.6))
+        ax.text(4.5, block_m / 8 + 1.0, f"{step}: the CTA's {block_m} query rows, {warps} warps", ha="center", fontsize=11)
+        box(ax, 9, block_m / 16 - 1.5, 2.5, 3, f"K/V tile\n{block_n} keys\n(shared\nmemory)", C_TMA, size=8, color="white")
+        for w in range(warps):
+            y = block_m / 8 - (w + 1) * rows / 8
+            for mb in range(rows // 16):
+                box(ax, 0, y + (rows // 16 - 1 - mb) * 2, 5, 2, f"warp {w}, rows {w * rows + 16 * mb}-{w * rows + 16 * mb + 15}",
+                    C_COMPUTE if mb else "#fdd0a2", size=7.5)
+            box(ax, 5.5, y + rows / 16 - 0.6, 1.6, 1.2, "frag", C_LIGHT, size=7)
+            arrow(ax, (9, block_m / 16), (7.1, y + rows / 16), C_TMA, lw=0.8)
+            for mb in range(rows // 16):
+                arrow(ax, (5.5, y + rows / 16), (5.0, y + (rows // 16 - 1 - mb) * 2 + 1), C_COMPUTE)
+        ax.text(4.5, -0.8, f"each warp reads the whole tile: {warps} x {tile_kb} KB = {warps * tile_kb} KB\nof shared-memory "
+                "reads per K/V tile", ha="center", va="top", fontsize=9)
+    caption(fig, "A fragment is loaded once per warp (ldmatrix) and used by every mma of that warp's rows. With two 16-row "
+            "blocks per warp (FlashAttention-2's tiling) the same math reads half the bytes from shared memory, and each warp has "
+            "two independent mma chains to interleave; the price is twice the accumulator registers per thread.")
+    return fig
 
 
 # ---------------------------------------------------------------- step08: the TMA ring and its phases
@@ -101,9 +642,11 @@ def ring_schedule(stages: int, tiles: int, load: float, compute: float):
     return fills, computes
 
 
-def picture_tma_ring() -> Path:
-    stages, block_n = step_constant("step08", "STAGES"), step_constant("step08", "BLOCK_N")
-    tile_bytes = block_n * HEAD_DIM * ELEM_BYTES
+@picture("tma_ring.png")
+def tma_ring(k: Code):
+    head_dim = k.head_dim()
+    stages, block_n = k.step("step08", "STAGES"), k.step("step08", "BLOCK_N")
+    tile_bytes = block_n * head_dim * ELEM_BYTES
     tiles = 3 * stages
     fills, computes = ring_schedule(stages, tiles, load=1.0, compute=1.5)
     fig = plt.figure(figsize=(12, 8.2))
@@ -140,7 +683,7 @@ def picture_tma_ring() -> Path:
     # Bottom: one fill, step by step.
     ax = fig.add_axes([0.02, 0.0, 0.96, 0.4])
     blank(ax, (0, 12), (0, 5.2))
-    ax.text(0.1, 5.0, f"One fill of slot s (a K tile: {block_n} rows x {HEAD_DIM} bf16 = {tile_bytes} bytes; V the same "
+    ax.text(0.1, 5.0, f"One fill of slot s (a K tile: {block_n} rows x {head_dim} bf16 = {tile_bytes} bytes; V the same "
             "on V_full[s])", fontsize=10, weight="bold", va="top")
     lanes = {"thread 0": 1.2, "mbarrier K_full[s]": 4.6, "TMA unit": 7.6, "all threads": 10.6}
     for name, x in lanes.items():
@@ -161,18 +704,20 @@ def picture_tma_ring() -> Path:
         ax.text((xa + xb) / 2, y + 0.08, text, fontsize=8.5, ha="center", va="bottom")
     ax.text(lanes["all threads"], 0.75, "5. try_wait.parity(n % 2) was\nfalse until now; it returns true:\n"
             "the tile may be read", fontsize=8.5, ha="center", va="center")
-    return save(fig, "tma_ring.png")
+    return fig
 
 
-def picture_tma_swizzle() -> Path:
-    chunks_per_row = HEAD_DIM // CHUNK_ELEMS            # 16 chunks in a 256-byte row
-    chunks_per_half = BOX_COLS // CHUNK_ELEMS          # 8 in a 128-byte box row
+@picture("tma_swizzle.png")
+def tma_swizzle(k: Code):
+    head_dim, box_cols = k.head_dim(), k.box_cols()
+    chunks_per_row = head_dim // CHUNK_ELEMS            # 16 chunks in a 256-byte row
+    chunks_per_half = box_cols // CHUNK_ELEMS          # 8 in a 128-byte box row
     fig = plt.figure(figsize=(12, 5.9))
     fig.suptitle("TMA's 128-byte swizzle on a 256-byte row: two 64-column halves; in each, chunk c of row r is "
                  "stored at c ^ (r % 8)", fontsize=12)
     ax = fig.add_axes([0.01, 0.02, 0.98, 0.88])
     blank(ax, (-1.5, 36), (-3.6, 10.2))
-    ax.text(0, 9.6, f"global memory: rows of {HEAD_DIM} bf16 = {chunks_per_row} chunks of 16 bytes", fontsize=10)
+    ax.text(0, 9.6, f"global memory: rows of {head_dim} bf16 = {chunks_per_row} chunks of 16 bytes", fontsize=10)
     for r in range(ATOM_ROWS):
         ax.text(-0.3, ATOM_ROWS - 1 - r + 0.5, f"row {r}", ha="right", va="center", fontsize=8)
         for c in range(chunks_per_row):
@@ -181,7 +726,7 @@ def picture_tma_swizzle() -> Path:
     arrow(ax, (16.3, 4), (18.2, 4), C_TMA, "TMA", size=9, text_offset=(0, 0.4))
     x0 = 19
     ax.text(x0, 9.6, "shared memory: half 0 (chunks 0-7) then half 1 (chunks 8-15)", fontsize=10)
-    for h in range(HEAD_DIM // BOX_COLS):
+    for h in range(head_dim // box_cols):
         for r in range(ATOM_ROWS):
             for p in range(chunks_per_half):
                 c = h * chunks_per_half + (p ^ (r % ATOM_ROWS))  # the chunk stored at position p of row r
@@ -199,13 +744,14 @@ def picture_tma_swizzle() -> Path:
             "chunk c (0-7 in its half) of row r lands at position c ^ (r % 8).\nOutlined: the chunk 0 of rows 0-7 that one ldmatrix reads, "
             "at 8 different positions, so in 8 different groups of 4 banks: no bank conflict.\n"
             "common/swizzle.cuh: swizzle_tma_128b<ROWS>(row, col).", fontsize=9, va="top")
-    return save(fig, "tma_swizzle.png")
+    return fig
 
 
 # ---------------------------------------------------------------- step09: wgmma
 
-def picture_wgmma_layout() -> Path:
-    block_n = step_constant("step09", "BLOCK_N")
+@picture("wgmma_layout.png")
+def wgmma_layout(k: Code):
+    block_n = k.step("step09", "BLOCK_N")
     warps, rows_per_warp, cols = 4, 16, 8  # a warpgroup; mma.m16n8's D fragment, which each warp's part repeats
     blocks = block_n // cols
     shown_warp, shown_block = 1, 2
@@ -267,15 +813,17 @@ def picture_wgmma_layout() -> Path:
     ax.text(8, -0.6, "Two neighbouring 8-key blocks of S, rounded to\nbf16, are exactly mma.m16n8k16's A fragment of\n"
             f"a 16-key slice of P, in every warp: P_frag[kk][0..3],\nkk = 0..{block_n // 16 - 1}, one wgmma each. "
             "No shared memory,\nno shuffle.", ha="center", va="top", fontsize=9)
-    return save(fig, "wgmma_layout.png")
+    return fig
 
 
-def picture_wgmma_descriptors() -> Path:
-    block_n = step_constant("step09", "BLOCK_N")
-    row_bytes, atom_bytes = BOX_COLS * ELEM_BYTES, ATOM_ROWS * BOX_COLS * ELEM_BYTES
+@picture("wgmma_descriptors.png")
+def wgmma_descriptors(k: Code):
+    head_dim, box_cols = k.head_dim(), k.box_cols()
+    block_n = k.step("step09", "BLOCK_N")
+    row_bytes, atom_bytes = box_cols * ELEM_BYTES, ATOM_ROWS * box_cols * ELEM_BYTES
     half_bytes = block_n * row_bytes
     kstep_bytes = 16 * ELEM_BYTES
-    ksteps_per_half = BOX_COLS // 16
+    ksteps_per_half = box_cols // 16
     atoms_shown = 4
     fig = plt.figure(figsize=(13, 6.0))
     fig.suptitle(f"step09: the shared-memory descriptors (128-byte swizzle: atoms of 8 rows x {row_bytes} bytes = "
@@ -326,19 +874,20 @@ def picture_wgmma_descriptors() -> Path:
     ax.text(5.5, y_first + 2.05, f"LBO = {half_bytes} B: to the other half (along N)", ha="center", fontsize=8,
             color=C_TMA, bbox=dict(facecolor="white", edgecolor="none", pad=1))
     arrow(ax, (0.6, y_first + 1.8), (0.6, y_first - 0.2), C_TMA, f"SBO\n{atom_bytes} B", size=8, text_offset=(-1.1, 0))
-    ax.text(9.5, -1.2, f"k-step kk of O += P V (orange: kk = {kk}) is keys 16kk to 16kk + 15, all {HEAD_DIM} dims:\n"
+    ax.text(9.5, -1.2, f"k-step kk of O += P V (orange: kk = {kk}) is keys 16kk to 16kk + 15, all {head_dim} dims:\n"
             f"wgmma_desc(V tile + kk * 2 * {atom_bytes}, LBO = {half_bytes}, SBO = {atom_bytes}),\n"
             "read transposed (imm-trans-b = 1). SBO steps along K (8 keys), LBO along N.", ha="center", va="top",
             fontsize=9)
-    return save(fig, "wgmma_descriptors.png")
+    return fig
 
 
 # ---------------------------------------------------------------- step10: producer and consumers
 
-def picture_producer_consumer() -> Path:
-    producer_regs, consumer_regs = step_constant("step10", "PRODUCER_REGS"), step_constant("step10", "CONSUMER_REGS")
-    consumers, stages = step_constant("step10", "NUM_CONSUMERS"), step_constant("step10", "STAGES")
-    block_m = step_constant("step10", "BLOCK_M")
+@picture("producer_consumer.png")
+def producer_consumer(k: Code):
+    producer_regs, consumer_regs = k.step("step10", "PRODUCER_REGS"), k.step("step10", "CONSUMER_REGS")
+    consumers, stages = k.step("step10", "NUM_CONSUMERS"), k.step("step10", "STAGES")
+    block_m = k.step("step10", "BLOCK_M")
     warps_per_group, threads_per_group = 4, 128
     arrivals = consumers * warps_per_group
     fig = plt.figure(figsize=(13, 7.2))
@@ -406,13 +955,29 @@ def picture_producer_consumer() -> Path:
     box(ax, used_p + used_c, 0.2, total - used_p - used_c, 0.8, "", "#eeeeee")
     ax.text(0, 1.3, f"the SM's {total} registers: producer {threads_per_group} x {producer_regs} = {used_p} (blue), "
             f"consumers {used_c} (orange), unused {total - used_p - used_c}", fontsize=9)
-    return save(fig, "producer_consumer.png")
+    return fig
 
 
-PICTURES = [picture_tma_ring, picture_tma_swizzle, picture_wgmma_layout, picture_wgmma_descriptors,
-            picture_producer_consumer]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python docs/pictures.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help="pictures to draw (file names, .png optional; default: all)")
+    ap.add_argument("--check", action="store_true", help="draw nothing; list the stale pictures (exit 1 if any)")
+    args = ap.parse_args(argv)
+    names = [n if n.endswith(".png") else n + ".png" for n in args.names] or list(PICTURES)
+    unknown = [n for n in names if n not in PICTURES]
+    if unknown:
+        ap.error(f"no picture {', '.join(unknown)} (there are: {', '.join(PICTURES)})")
+    if args.check:
+        problems = [p for n in names for p in (stale(ROOT / IMG / n) if (ROOT / IMG / n).exists() else [f"{IMG}/{n}: missing"])]
+        print("\n".join(problems) or f"{len(names)} pictures up to date")
+        return 1 if problems else 0
+    for name in names:
+        path = draw(name)
+        print(f"{path.relative_to(ROOT)}: {path.stat().st_size // 1024} KB", flush=True)
+    return 0
+
 
 if __name__ == "__main__":
-    for draw in PICTURES:
-        path = draw()
-        print(f"{path.relative_to(ROOT)}: {path.stat().st_size // 1024} KB")
+    sys.exit(main())
