@@ -960,6 +960,209 @@ def producer_consumer(k: Code):
 
 
 
+# ---------------------------------------------------------------- steps 11-14: the order of the work
+
+def pingpong_schedule(consumers: int, blocks: int, gemm: float, softmax: float):
+    """step11's turns: consumer c issues its GEMM block j once its softmax j-1 is done AND the previous block
+    (the other consumer's) has been issued; the tensor cores run the blocks in the order issued. Returns, per
+    consumer, its (issue, start, end) of each block and the turn waits (ready, issue)."""
+    tensor_free, last_issue, ready = 0.0, 0.0, [0.0] * consumers
+    blocks_of = {c: [] for c in range(consumers)}
+    waits = {c: [] for c in range(consumers)}
+    for j in range(blocks):
+        for c in range(consumers):
+            issue = max(ready[c], last_issue)
+            if issue > ready[c] + 1e-9:
+                waits[c].append((ready[c], issue))
+            start = max(issue, tensor_free)
+            end = start + gemm
+            blocks_of[c].append((issue, start, end))
+            tensor_free, last_issue = end, issue + 0.05
+            ready[c] = end + softmax
+    return blocks_of, waits
+
+
+@picture("pingpong.png")
+def pingpong(k: Code):
+    consumers = k.step("step11", "NUM_CONSUMERS")
+    turn0, turn1 = k.step("step11", "CONSUMER0_TURN"), k.step("step11", "CONSUMER1_TURN")
+    gemm, softmax, blocks = 1.0, 0.8, 4
+    blocks_of, waits = pingpong_schedule(consumers, blocks, gemm, softmax)
+    end = max(e for c in blocks_of for _, _, e in blocks_of[c]) + softmax
+    fig = plt.figure(figsize=(13, 5.8))
+    fig.suptitle(f"step11: ping-pong, {consumers} consumer warpgroups take turns on the tensor cores (named barriers "
+                 f"{turn0} and {turn1})", fontsize=13)
+    ax = fig.add_axes([0.14, 0.24, 0.84, 0.66])
+    blank(ax, (-0.1, end + 0.2), (-0.7, 4.4))
+    rows = {"tensor cores": 3.2, **{f"consumer {c}": 2.0 - 1.2 * c for c in range(consumers)}}
+    for label, y in rows.items():
+        lane(ax, y, label if label == "tensor cores" else f"{label}\n(warpgroup {int(label[-1]) + 1})")
+    colours = [C_COMPUTE, "#e0a060"]
+    for c in range(consumers):
+        y = rows[f"consumer {c}"]
+        for j, (issue, start, stop) in enumerate(blocks_of[c]):
+            box(ax, start, rows["tensor cores"], stop - start, 0.7, f"c{c}: block {j}", colours[c], size=8)
+            box(ax, issue, y + 0.1, 0.08, 0.5, "", C_BARRIER, edge="none")   # issue, then bar.arrive: the other's turn
+            ax.plot([issue + 0.08, stop], [y + 0.35] * 2, color=C_GRID, lw=1, ls=":")  # waiting for its block (wait_group)
+            box(ax, stop, y, softmax, 0.7, f"softmax {j}", C_SOFTMAX, size=8)
+            if j == 1:
+                ax.text(issue, y + 0.8, "issue block 1, bar.arrive", fontsize=7.5, color=C_BARRIER)
+        for a, b in waits[c]:
+            box(ax, a, y + 0.1, b - a, 0.5, "", "#c5a3e0", edge="none")
+    ax.annotate("time", xy=(end, -0.5), xytext=(end - 1.0, -0.5), fontsize=9, va="center",
+                arrowprops=dict(arrowstyle="->", color=C_GRID))
+    caption(fig, "A schematic (a GEMM block takes 1.0 on the tensor cores, a softmax 0.8). A GEMM block is the wgmma between two "
+            "softmaxes (S = Q K^T of tile j and O += P V of tile j-1). Each consumer waits on its own turn barrier (bar.sync) "
+            "before it issues a block and arrives on the other's (bar.arrive) right after issuing (green tick): the blocks "
+            "reach the tensor cores as c0, c1, c0, c1, and one consumer's softmax runs while the other's block computes. "
+            "Dotted: a consumer waiting for its own block (wgmma.wait_group); lilac: a consumer ready before its turn. "
+            "Measured: results/h200/timeline/step11.png.", y=0.02, width=165)
+    return fig
+
+
+def shift_moves(tile_max: list[float], threshold: float) -> list[float]:
+    """step12's shift of one row (log2 units): moves to the tile's max only when that exceeds it by more than
+    `threshold` (always on the first tile); -inf before the first tile."""
+    m, out = -np.inf, []
+    for x in tile_max:
+        if x - m > threshold:
+            m = x
+        out.append(m)
+    return out
+
+
+@picture("conditional_rescale.png")
+def conditional_rescale(k: Code):
+    threshold = k.step("step12", "RESCALE_THRESHOLD", cast=float)
+    block_n = k.step("step12", "BLOCK_N")
+    tiles = 16
+    rng = np.random.default_rng(3)
+    drift = np.linspace(0.0, 1.9 * threshold, tiles)                 # a row whose scores rise along the keys
+    scores = rng.normal(0.0, 1.6, (tiles, block_n)) + drift[:, None]
+    tile_max = scores.max(axis=1)
+    running = np.maximum.accumulate(tile_max)                        # step11's shift: the running max
+    shift = shift_moves(list(tile_max), threshold)
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(12, 6.8), gridspec_kw={"height_ratios": [3, 1.2]})
+    fig.suptitle(f"step12: the conditional rescale, one row across {tiles} K/V tiles: the shift moves only when a tile's "
+                 f"max is more than {threshold:g} above it", fontsize=12)
+    x = np.arange(tiles)
+    ax.scatter(np.repeat(x, block_n) + rng.uniform(-0.35, 0.35, tiles * block_n), scores.ravel(), s=2, color="#9ecae1",
+               label="the row's scores (x scale x log2 e)")
+    ax.plot(x, tile_max, "o", color=C_TMA, ms=5, label="each tile's max")
+    ax.step(x, running, where="mid", color=C_GRID, ls="--", lw=1.3, label="step11's shift: the running max (O rescaled every tile)")
+    ax.step(x, shift, where="mid", color=C_COMPUTE, lw=2.5, label="step12's shift (O rescaled only where it moves)")
+    ax.fill_between(x, shift, np.array(shift) + threshold, step="mid", color=C_COMPUTE, alpha=0.12,
+                    label=f"shift + {threshold:g}: exponentials stay below 2^{threshold:g}")
+    ax.set_xlim(-0.6, tiles - 0.4)
+    ax.set_xticks(x, [f"{j}" for j in x], fontsize=8)
+    ax.set_ylabel("log2 units")
+    ax.legend(loc="upper left", fontsize=8.5)
+    moves11 = [True] * tiles
+    moves12 = [j == 0 or shift[j] != shift[j - 1] for j in range(tiles)]
+    blank(ax2, (-0.6, tiles - 0.4), (-0.2, 2.3))
+    for row, (moves, label) in enumerate(((moves11, "step11"), (moves12, "step12"))):
+        y = 1.2 - 1.1 * row
+        ax2.text(-0.7, y + 0.4, f"{label}: O x alpha", ha="right", va="center", fontsize=9)
+        for j in range(tiles):
+            box(ax2, j - 0.4, y, 0.8, 0.8, "x alpha" if moves[j] else "", C_COMPUTE if moves[j] else C_LIGHT, size=7)
+    caption(fig, "A synthetic row (its scores rise along the keys). Any shift gives the same result as long as l and O use the "
+            f"same one (verify/model.py proves it in float64): step12 keeps the old shift until a tile's max is more than "
+            f"{threshold:g} (RESCALE_THRESHOLD, log2 units) above it, so alpha = 1 on every other tile, and a warp none of "
+            "whose rows moved skips the 64 multiplies of the O rescale (a warp-uniform branch).", y=0.01, width=160)
+    fig.subplots_adjust(left=0.12, right=0.98, top=0.92, bottom=0.13, hspace=0.15)
+    return fig
+
+
+@picture("intra_overlap.png")
+def intra_overlap(k: Code):
+    qk_steps, pv_steps = k.step("step13", "QK_STEPS"), k.step("step13", "PV_STEPS")
+    t_s, t_pv, soft1, soft2, tiles = 0.45, 0.45, 0.7, 0.25, 3
+    fig = plt.figure(figsize=(13, 5.6))
+    fig.suptitle("step13: S = Q K$^T$ first, then P V of the tile before, as two commit groups: the softmax runs under its "
+                 "own P V", fontsize=13)
+    ax = fig.add_axes([0.16, 0.22, 0.82, 0.68])
+    blank(ax, (-0.1, 6.4), (-0.4, 5.0))
+    # step12: one group [P V j-1, S j], wait for all, then the whole softmax.
+    t, y_tc, y_wg = 0.0, 3.5, 2.7
+    lane(ax, y_tc, "step12: tensor cores")
+    lane(ax, y_wg, "the warpgroup")
+    for j in range(tiles):
+        pv = t_pv if j else 0.0                                   # block 0 is S of tile 0 alone
+        if j:
+            box(ax, t, y_tc, pv, 0.6, f"PV {j - 1}", C_COMPUTE, size=7.5)
+        box(ax, t + pv, y_tc, t_s, 0.6, f"S {j}", "#e0a060", size=7.5)
+        t += pv + t_s
+        box(ax, t, y_wg, soft1 + soft2, 0.6, f"softmax {j}", C_SOFTMAX, size=8)
+        ax.text(t, y_wg - 0.15, "wait 0", fontsize=7, va="top", color=C_GRID)
+        t += soft1 + soft2
+    # step13: [S j] then [P V j-1]; wait 1 -> max, exponentials; wait 0 -> rescale O, P.
+    t, y_tc, y_wg = 0.0, 1.2, 0.4
+    lane(ax, y_tc, "step13: tensor cores")
+    lane(ax, y_wg, "the warpgroup")
+    for j in range(tiles):
+        pv = t_pv if j else 0.0
+        box(ax, t, y_tc, t_s, 0.6, f"S {j}", "#e0a060", size=7.5)
+        if j:
+            box(ax, t + t_s, y_tc, pv, 0.6, f"PV {j - 1}", C_COMPUTE, size=7.5)
+        a = t + t_s
+        box(ax, a, y_wg, soft1, 0.6, f"max, exp {j}", C_SOFTMAX, size=7.5)
+        ax.text(a, y_wg - 0.15, "wait 1" if j else "wait 0", fontsize=7, va="top", color=C_GRID)
+        b = max(a + soft1, t + t_s + pv)
+        box(ax, b, y_wg, soft2, 0.6, "O, P", "#a6d5d1", size=7)
+        ax.text(b, y_wg - 0.15, "wait 0", fontsize=7, va="top", color=C_GRID)
+        t = b + soft2
+    ax.annotate("time", xy=(6.2, -0.25), xytext=(5.4, -0.25), fontsize=9, va="center",
+                arrowprops=dict(arrowstyle="->", color=C_GRID))
+    caption(fig, f"One warpgroup's work, a schematic (the other consumer's ping-pong blocks left out). step12 issues one group, "
+            f"P V of tile j-1 ({pv_steps} wgmma) then S of tile j ({qk_steps} wgmma), and waits for all of it (wait_group 0) "
+            "before its softmax. The softmax of tile j needs only S: step13 issues S first and P V second as two commit "
+            "groups, starts the max and the exponentials once S is done (wait_group 1), while the tensor cores still run "
+            "its own P V, and only the rescale of O and the conversion to P wait for the P V (wait_group 0). "
+            "Measured: results/h200/timeline/step12.png and step13.png.", y=0.02, width=160)
+    return fig
+
+
+def rounds(tiles: int, ctas: int) -> list[list[int]]:
+    """step14's persistent grid: CTA b takes tiles b, b + ctas, b + 2 ctas, ...: round r is tiles r*ctas .. ."""
+    return [list(range(r * ctas, min((r + 1) * ctas, tiles))) for r in range(ceil_div(tiles, ctas))]
+
+
+@picture("persistent_rounds.png")
+def persistent_rounds(k: Code):
+    block_m = k.step("step14", "BLOCK_M")
+    batch, heads, n = DENSE_4K
+    q_tiles = ceil_div(n, block_m)
+    tiles = q_tiles * heads * batch
+    ctas = min(H200_SMS, tiles)
+    grid = rounds(tiles, ctas)
+    fig = plt.figure(figsize=(13, 6.6))
+    fig.suptitle(f"step14: a persistent grid of {ctas} CTAs (one per SM of the H200) over {tiles} work tiles "
+                 f"(batch {batch} x {heads} heads x {q_tiles} Q tiles of {block_m} rows at N = {n})", fontsize=12)
+    ax = fig.add_axes([0.07, 0.22, 0.91, 0.68])
+    cmap = plt.get_cmap("tab20")
+    blank(ax, (-1, ctas + 1), (-1.6, len(grid) + 1.2))
+    for r, ts in enumerate(grid):
+        y = len(grid) - 1 - r
+        for b, t in enumerate(ts):
+            bh = t // q_tiles                                          # the (batch, head) the tile belongs to
+            ax.add_patch(Rectangle((b, y), 1, 1, facecolor=cmap(bh % 20), edgecolor="white", lw=0.3))
+        for b in range(len(ts), ctas):
+            ax.add_patch(Rectangle((b, y), 1, 1, facecolor="white", edgecolor="#dddddd", lw=0.3, hatch="///"))
+        ax.text(-0.5, y + 0.5, f"round {r}", ha="right", va="center", fontsize=7)
+    for b in (0, 32, 64, 96, ctas - 1):
+        ax.text(b + 0.5, len(grid) + 0.2, f"CTA {b}", ha="center", fontsize=7, rotation=0)
+    last = grid[-1]
+    ax.text(len(last) / 2, -0.9, f"the last round: {len(last)} tiles on {ctas} CTAs, {ctas - len(last)} SMs idle (hatched)",
+            ha="center", fontsize=9)
+    caption(fig, f"Work tile t = (q_tile, head, batch) with q_tile fastest (colour: the (batch, head) it belongs to, {q_tiles} "
+            f"tiles each); CTA b takes tiles b, b + {ctas}, b + {2 * ctas}, ... So the CTAs that run at the same time work on "
+            f"neighbouring Q tiles of the same few heads (a round covers about {ctas / q_tiles:.0f} of them), and each K/V tile "
+            "comes from HBM once and from L2 after that. A CTA starts its next tile without exiting: its producer loads the next "
+            "Q while the consumers finish, and the output leaves by TMA stores under the next tile's work. The partial last "
+            "round is what the split tail (Part II) cuts up.", y=0.01, width=165)
+    return fig
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python docs/pictures.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="pictures to draw (file names, .png optional; default: all)")
