@@ -1163,6 +1163,261 @@ def persistent_rounds(k: Code):
     return fig
 
 
+# ---------------------------------------------------------------- Part II: the final kernel's schedule, in Python
+# Ported function by function from the final step's kernel.cu (tile scheduler, K/V ranges, the split tail), so that the
+# pictures below show what the kernel does at the shapes they name. Sizes come in as arguments, read from the code.
+
+def tiles_per_head(q_tiles: int, causal: bool) -> int:
+    return 2 * ceil_div(q_tiles, 2) if causal else q_tiles   # causal: whole pairs
+
+
+def work_tile(t: int, q_tiles: int, heads: int, causal: bool) -> tuple[int, int, int]:
+    """Work tile t -> (q_tile, head, batch), q_tile fastest; causal: within a head, tile 2i is the i-th longest Q tile and
+    tile 2i + 1 the i-th shortest (-1: the empty half of an odd head's last pair)."""
+    per_head = tiles_per_head(q_tiles, causal)
+    bh, i = divmod(t, per_head)
+    batch, head = divmod(bh, heads)
+    j = i // 2
+    q_tile = i if not causal else q_tiles - 1 - j if i % 2 == 0 else j if j < q_tiles - 1 - j else -1
+    return q_tile, head, batch
+
+
+def kv_range(q_tile: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, causal: bool, offset: int = 0):
+    """(tiles, masked): the K/V tiles a work tile visits from key 0, and how many of them (the last) need a mask."""
+    row0, row_end = q_tile * block_m, min(q_tile * block_m + block_m, seqlen_q)
+    seen_by_last = seen_by_first = seqlen_k
+    if causal:
+        seen_by_last = max(0, min(seqlen_k, row_end + offset))
+        seen_by_first = max(0, min(seqlen_k, row0 + 1 + offset))
+    tiles = ceil_div(seen_by_last, block_n)
+    return tiles, tiles - min(tiles, seen_by_first // block_n)
+
+
+def cta_tiles(b: int, grid: int, tiles: int, per_turn: int) -> list[int]:
+    """A CTA's work tiles: first_tile, next_tile, ... (a pair of tiles per round where per_turn = 2)."""
+    out, t = [], b * per_turn
+    while t < tiles:
+        out.append(t)
+        t = t + 1 if (t + 1) % per_turn else t + 1 + (grid - 1) * per_turn
+    return out
+
+
+def split_tail(tiles: int, grid: int, cluster: int, n: int) -> dict:
+    """The split tail (tail_of, tail_piece): the work tiles of the full rounds run whole; the last round's walks (a work
+    tile's n K/V tiles, or a pair's) are cut into `grid / cluster` runs of about the same number of units, run r going
+    to cluster runs - 1 - r. Returns the whole count and, per run, its pieces (walk, begin, end)."""
+    whole = tiles // grid * grid
+    runs = grid // cluster
+    units = (tiles - whole) // cluster * n
+    start = [r * units // runs for r in range(runs + 1)]
+    pieces = {}
+    for r in range(runs):
+        walk, out = (start[r] // n if units else 0), []
+        while True:
+            lo, hi = start[r] - walk * n, start[r + 1] - walk * n
+            if hi <= max(lo, 0):
+                break
+            out.append((walk, max(lo, 0), min(hi, n)))
+            walk += 1
+        pieces[r] = out
+    return {"whole": whole, "runs": runs, "units": units, "n": n, "walks": (tiles - whole) // cluster, "pieces": pieces}
+
+
+def fast_div(d: int) -> tuple[int, int]:
+    """FastDiv's magic numbers (Granlund and Montgomery): shift = ceil(log2 d), mul = 2^32 (2^shift - d) / d + 1."""
+    shift = 0
+    while (1 << shift) < d:
+        shift += 1
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
+
+
+def fast_div_apply(n, mul: int, shift: int):
+    """n / d as a multiply-high, an add and a shift (numpy arrays or ints, 0 <= n < 2^31)."""
+    return (((np.asarray(n, dtype=np.uint64) * np.uint64(mul)) >> np.uint64(32)) + np.asarray(n, dtype=np.uint64)) >> np.uint64(shift)
+
+
+# ---------------------------------------------------------------- Part II pictures
+
+@picture("causal_mask.png")
+def causal_mask(k: Code):
+    block_m, block_n = k.final("BLOCK_M"), k.final("BLOCK_N")
+    n = 16 * block_m                                   # an example: 16 Q tiles
+    q_tiles, kv_tiles = ceil_div(n, block_m), ceil_div(n, block_n)
+    shown = q_tiles - 5
+    fig = plt.figure(figsize=(13, 6.6))
+    fig.suptitle(f"Causal attention: which K/V tiles a work tile visits (N = {n}, Q tiles of {block_m} rows, K/V tiles of "
+                 f"{block_n} keys)", fontsize=12)
+    ax = fig.add_axes([0.02, 0.03, 0.5, 0.86])
+    blank(ax, (-2.2, kv_tiles + 0.5), (-2.4, q_tiles + 1.2))
+    for qt in range(q_tiles):
+        tiles, masked = kv_range(qt, block_m, block_n, n, n, True)
+        y = q_tiles - 1 - qt
+        ax.text(-0.2, y + 0.5, f"Q {qt}", ha="right", va="center", fontsize=7)
+        for kt in range(kv_tiles):
+            if kt >= tiles:
+                colour, hatch = "white", None
+            elif kt >= tiles - masked:
+                colour, hatch = "#fdd0a2", "////"
+            else:
+                colour, hatch = C_COMPUTE if qt == shown else "#fde0c5", None
+            ax.add_patch(Rectangle((kt, y), 1, 1, facecolor=colour, edgecolor="#999999", lw=0.4, hatch=hatch))
+        if qt == shown:
+            ax.add_patch(Rectangle((0, y), tiles, 1, facecolor="none", edgecolor="black", lw=2))
+            for pos in range(tiles):                   # the walk runs from the last visited tile to the first
+                ax.text(tiles - 1 - pos + 0.5, y + 0.5, str(pos), ha="center", va="center", fontsize=6.5)
+    for kt in range(0, kv_tiles, 4):
+        ax.text(kt + 0.5, q_tiles + 0.2, f"K/V {kt}", ha="center", fontsize=7)
+    ax.text(kv_tiles / 2, -0.5, f"outlined: Q tile {shown}'s walk, numbered in the order it visits the tiles (from the last\n"
+            "key it sees back to key 0: the one tile that needs a mask comes first). Hatched: the tiles the\n"
+            "diagonal crosses (keys past some rows: -inf before the softmax). White: never loaded.",
+            ha="center", va="top", fontsize=8.5)
+    # The diagonal tile, element by element.
+    ax = fig.add_axes([0.56, 0.2, 0.4, 0.66])
+    rows = np.arange(block_m)[:, None]
+    keys = np.arange(block_n)[None, :]
+    ax.imshow(np.where(keys <= rows, 1.0, 0.0), cmap=matplotlib.colors.ListedColormap(["#ffffff", "#fdd0a2"]),
+              extent=(0, block_n, block_m, 0), interpolation="nearest")
+    ax.set_title("a diagonal tile: row r sees key c only where c <= r\n(top-left diagonal; a KV cache's bottom-right one "
+                 "shifts it by\nseqlen_k - seqlen_q: causal_offset)", fontsize=9)
+    ax.set_xlabel("key in the tile")
+    ax.set_ylabel("query row in the tile")
+    ax.text(block_n * 0.62, block_m * 0.28, "-inf", fontsize=11, ha="center")
+    caption(fig, "Half the work of the dense call: a Q tile's rows see the keys up to their own, so its walk is cut where "
+            "the diagonal is, and only the tiles the diagonal crosses take the mask.", y=0.02, width=80, x=0.56)
+    return fig
+
+
+@picture("causal_balance.png")
+def causal_balance(k: Code):
+    block_m, block_n = k.final("BLOCK_M"), k.final("BLOCK_N")
+    q_tiles = 16                                    # one head of N = 16 Q tiles
+    n = q_tiles * block_m
+    ctas = q_tiles // 2
+    work = [kv_range(qt, block_m, block_n, n, n, True)[0] for qt in range(q_tiles)]
+    order = [work_tile(t, q_tiles, 1, True)[0] for t in range(tiles_per_head(q_tiles, True))]
+    fig = plt.figure(figsize=(13, 6.4))
+    fig.suptitle(f"The balanced causal schedule: within a head, the i-th longest Q tile beside the i-th shortest "
+                 f"(one head of {q_tiles} Q tiles, N = {n})", fontsize=12)
+    cmap = plt.get_cmap("viridis")
+    colour = {qt: cmap(qt / (q_tiles - 1)) for qt in range(q_tiles)}
+    for panel, (title, per_cta) in enumerate((
+            (f"step14's order on {ctas} CTAs: CTA b takes Q tiles b, b + {ctas}",
+             [[b, b + ctas] for b in range(ctas)]),
+            (f"the causal order on {ctas} CTAs: CTA b takes pair b, its tiles 2b and 2b + 1",
+             [[order[2 * b], order[2 * b + 1]] for b in range(ctas)]))):
+        ax = fig.add_axes([0.06 + 0.49 * panel, 0.2, 0.42, 0.68])
+        for b, qts in enumerate(per_cta):
+            left = 0
+            for qt in qts:
+                ax.barh(b, work[qt], left=left, color=colour[qt], edgecolor="white")
+                ax.text(left + work[qt] / 2, b, f"Q {qt}", ha="center", va="center", fontsize=7,
+                        color="white" if qt < q_tiles * 0.6 else "black")
+                left += work[qt]
+            ax.text(left + 0.3, b, str(left), va="center", fontsize=8)
+        ax.set_yticks(range(ctas), [f"CTA {b}" for b in range(ctas)], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 2 * q_tiles + 4)
+        ax.set_xlabel("K/V tiles computed")
+        ax.set_title(title, fontsize=10)
+    caption(fig, f"Causal, Q tile i sees i + 1 K/V tiles: taken in order, the CTA holding the last tiles works the longest "
+            f"and the others wait for it. work_tile() numbers the tiles of a head as longest, shortest, second longest, second "
+            f"shortest, ...: each pair (2i, 2i + 1) is {q_tiles + 1} K/V tiles, and a CTA takes both tiles of a pair in one "
+            "round (a head with an odd number of Q tiles ends in a pair whose second tile is no tile).", y=0.01, width=165)
+    return fig
+
+
+@picture("gqa_heads.png")
+def gqa_heads(k: Code):
+    block_m = k.final("BLOCK_M")
+    heads, heads_k = GQA_HEADS
+    group = heads // heads_k
+    n = 4096
+    q_tiles = ceil_div(n, block_m)
+    per_turn = 2                                     # causal: a pair of work tiles per CTA and round
+    fig = plt.figure(figsize=(13, 6.2))
+    fig.suptitle(f"Grouped K/V heads: {heads} query heads read {heads_k} K/V heads, {group} each (query head h reads K/V "
+                 f"head h / {group})", fontsize=12)
+    ax = fig.add_axes([0.02, 0.46, 0.96, 0.44])
+    blank(ax, (-1, heads + 1), (-0.2, 3.4))
+    cmap = plt.get_cmap("tab10")
+    for h in range(heads):
+        box(ax, h + 0.05, 2.4, 0.9, 0.7, f"Q{h}", cmap(h // group % 10), size=7, alpha=0.8)
+        arrow(ax, (h + 0.5, 2.4), ((h // group) * group + group / 2, 1.1), cmap(h // group % 10), lw=0.7, style="-")
+    for g in range(heads_k):
+        box(ax, g * group + 0.3, 0.2, group - 0.6, 0.9, f"K/V head {g}", cmap(g % 10), size=8)
+    # One round of the causal schedule: which K/V head each CTA reads.
+    ax = fig.add_axes([0.02, 0.14, 0.96, 0.26])
+    ctas = H200_SMS
+    blank(ax, (-1, ctas + 1), (-0.8, 1.8))
+    for b in range(ctas):
+        t = b * per_turn
+        _, head, _ = work_tile(t, q_tiles, heads, True)
+        ax.add_patch(Rectangle((b, 0), 1, 1, facecolor=cmap(head // group % 10), edgecolor="white", lw=0.3))
+    ax.text(ctas / 2, 1.3, f"round 0 of a causal call at N = {n} ({q_tiles} Q tiles per head, a pair per CTA): CTA b's "
+            "colour is the K/V head it reads", ha="center", fontsize=9)
+    for b in (0, ctas - 1):
+        ax.text(b + 0.5, -0.35, f"CTA {b}", ha="center", va="top", fontsize=7)
+    caption(fig, f"The tile scheduler numbers work tiles with the Q tile fastest, then the query head: the CTAs that run at the "
+            f"same time work on neighbouring query heads, and {group} neighbours share a K/V head, so each K/V tile comes "
+            "from HBM once and is read from L2 by the CTAs of all the heads of its group. The kernel only divides the head "
+            "by the group size to find its K/V head (the TMA coordinates of K and V); nothing else changes.", y=0.01, width=165)
+    return fig
+
+
+@picture("cta_pair_multicast.png")
+def cta_pair_multicast(k: Code):
+    cluster = k.final("CLUSTER", "CLUSTER_SIZE", "PAIR_CTAS")
+    block_n, head_dim, half = k.final("BLOCK_N"), k.head_dim(), k.box_cols()
+    consumer_warps = k.final("CONSUMER_WARPS")
+    pair_min = k.final("PAIR_MIN_SEQLEN_K", "LONG_MIN_SEQLEN_K")
+    tile_bytes = block_n * head_dim * ELEM_BYTES
+    half_bytes = block_n * half * ELEM_BYTES
+    fig = plt.figure(figsize=(13, 7.6))
+    fig.suptitle(f"CTA pairs: a cluster of {cluster} CTAs walks the same K/V tiles, and each CTA loads one {half}-column "
+                 "half of every tile into both (TMA multicast)", fontsize=12)
+    ax = fig.add_axes([0.01, 0.13, 0.98, 0.8])
+    blank(ax, (0, 26), (0, 13))
+    # Global memory: one K tile, two halves.
+    ax.text(13, 12.6, f"global memory: K tile j [{block_n} keys x {head_dim}] (V the same)", ha="center", fontsize=10)
+    for h in range(2):
+        box(ax, 9 + 4 * h, 11.0, 4, 1.2, f"dims {h * half}-{h * half + half - 1}\n({half_bytes // 1024} KB)", PAIR_COLOURS[h], size=8.5)
+    for rank in range(cluster):
+        x0 = 0.5 + 13 * rank
+        box(ax, x0, 0.4, 12, 8.6, "", "#f7f7f7", edge=C_GRID, lw=1.5)
+        ax.text(x0 + 6, 8.55, f"CTA rank {rank} (SM {rank and 'b + 1' or 'b'}): Q tile {'2i' if rank == 0 else '2i + 1'}",
+                ha="center", fontsize=10, weight="bold")
+        box(ax, x0 + 0.4, 6.2, 3.2, 1.6, f"producer\n(thread 0)\nloads half {rank}", C_TMA, size=8, color="white")
+        ax.text(x0 + 8.2, 7.95, "ring slot s: K tile", ha="center", fontsize=8.5)
+        for h in range(2):
+            box(ax, x0 + 4.6 + 3.6 * h, 6.2, 3.4, 1.5, f"half {h}\nfrom rank {h}", PAIR_COLOURS[h], size=8.5)
+        box(ax, x0 + 4.6, 3.9, 3.4, 1.5, f"K_full[s]\nexpects {tile_bytes // 1024} KB", C_BARRIER, size=8, color="white")
+        box(ax, x0 + 8.2, 3.9, 3.4, 1.5, f"K_empty[s]\n{cluster * consumer_warps} arrivals", C_EMPTY, size=8, color="white")
+        box(ax, x0 + 0.4, 1.0, 11.2, 2.0, "", "#fde0c5", edge=C_COMPUTE)
+        ax.text(x0 + 6, 2.0, f"{consumer_warps // 4} consumer warpgroups ({consumer_warps} warps): wait K_full[s], S = Q K$^T$,\n"
+                "then lane 0 of each warp arrives on K_empty[s] here AND in the peer", ha="center", va="center", fontsize=8.5)
+    for rank in range(cluster):  # global half `rank` -> the slot's half `rank` in both CTAs; the local arrivals
+        x0 = 0.5 + 13 * rank
+        for dst_rank in range(cluster):
+            dst = (0.5 + 13 * dst_rank + 4.6 + 3.6 * rank + 1.7, 7.7)
+            arrow(ax, (10.5 + 4 * rank + dst_rank, 11.0), dst, C_TMA, lw=1.4, zorder=5)
+        arrow(ax, (x0 + 3.6, 7.0), (9.3 + 4 * rank, 11.0), C_TMA, ls=":", lw=0.9, zorder=5)
+        arrow(ax, (x0 + 9.9, 3.0), (x0 + 9.9, 3.9), C_EMPTY, lw=1.2, zorder=5)
+    ax.text(6.5, 10.3, "each producer: cp.async.bulk.tensor\n.multicast::cluster, mask 0b11", ha="center", fontsize=8.5,
+            color=C_TMA)
+    arrow(ax, (0.5 + 11.0, 3.0), (13.5 + 8.6, 3.9), C_EMPTY, ls="--", lw=1.0, zorder=5)
+    arrow(ax, (13.5 + 1.0, 3.0), (0.5 + 8.6, 3.9), C_EMPTY, ls="--", lw=1.0, zorder=5)
+    ax.text(13, 0.05, "mbarrier.arrive.shared::cluster (the peer's barrier, through mapa)", ha="center", fontsize=8.5,
+            color=C_EMPTY)
+    caption(fig, f"Each CTA's K_full[s] expects the whole tile ({tile_bytes} bytes) as before, and receives {half_bytes} from "
+            f"each of the two copies: the tile is complete in both CTAs when both halves have landed. A slot may be refilled "
+            f"only when both CTAs are done with it, since either producer writes into both: so K_empty[s] counts "
+            f"{cluster} x {consumer_warps} arrivals, every consumer warp of the pair arriving in its own CTA and in the peer. "
+            f"The pair computes neighbouring Q tiles of one head (2i, 2i + 1), so both need the same K/V tiles: each tile "
+            f"leaves L2 once for two CTAs. The launcher takes pairs for calls of at least {pair_min} keys with an even number "
+            "of Q tiles (causal: whole quadruples, a diagonal at or right of the top-left one).", y=0.01, width=165)
+    return fig
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python docs/pictures.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="pictures to draw (file names, .png optional; default: all)")
