@@ -263,8 +263,8 @@ def _source(read: dict) -> str:
 
 # ---------------------------------------------------------------- drawing helpers
 
-def box(ax, x, y, w, h, text="", colour="white", edge=C_GRID, size=9, alpha=1.0, lw=1.0, **kw):
-    ax.add_patch(Rectangle((x, y), w, h, facecolor=colour, edgecolor=edge, alpha=alpha, lw=lw))
+def box(ax, x, y, w, h, text="", colour="white", edge=C_GRID, size=9, alpha=1.0, lw=1.0, hatch=None, **kw):
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=colour, edgecolor=edge, alpha=alpha, lw=lw, hatch=hatch))
     if text:
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size, **kw)
 
@@ -1415,6 +1415,379 @@ def cta_pair_multicast(k: Code):
             f"The pair computes neighbouring Q tiles of one head (2i, 2i + 1), so both need the same K/V tiles: each tile "
             f"leaves L2 once for two CTAs. The launcher takes pairs for calls of at least {pair_min} keys with an even number "
             "of Q tiles (causal: whole quadruples, a diagonal at or right of the top-left one).", y=0.01, width=165)
+    return fig
+
+
+def wgmma_desc(addr: int, lbo: int, sbo: int, shifts: tuple[int, int, int]) -> int:
+    """common/wgmma.cuh's wgmma_desc with the 128-byte swizzle, its field positions as read from there."""
+    lbo_at, sbo_at, swizzle_at = shifts
+    return ((addr & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << lbo_at) | (((sbo & 0x3FFFF) >> 4) << sbo_at) | (1 << swizzle_at)
+
+
+@picture("descriptor_advance.png")
+def descriptor_advance(k: Code):
+    shifts = tuple(int(v) for v in k.find("common/wgmma.cuh", r"lbo_bytes[^;]*?<< (\d+)\)[^;]*?sbo_bytes[^;]*?<< (\d+)\)"
+                                           r"[^;]*?swizzle << (\d+)\)", "wgmma_desc's field positions"))
+    atom = k.read("common/wgmma.cuh", "WGMMA_ATOM_BYTES")
+    q_half, kstep, per_half, qk_steps = (k.final("Q_HALF_BYTES"), k.final("KSTEP_BYTES"), k.final("KSTEPS_PER_HALF"),
+                                        k.final("QK_STEPS"))
+    q_addr = 0                                                   # Q is the first member of the shared storage
+    base = wgmma_desc(q_addr, 16, atom, shifts)
+    fig = plt.figure(figsize=(13, 6.8))
+    fig.suptitle("Descriptors built once per tile and advanced: k-step kk of S = Q K$^T$ only moves the start address",
+                 fontsize=13)
+    ax = fig.add_axes([0.02, 0.62, 0.96, 0.28])
+    blank(ax, (-1, 65), (-0.8, 2.2))
+    fields = [(0, 14, "start address >> 4", C_COMPUTE), (shifts[0], 14, "LBO >> 4", "#c6dbef"),
+              (shifts[1], 14, "SBO >> 4", "#c6dbef"), (49, 3, "base", C_LIGHT), (shifts[2], 2, "swizzle", "#c6dbef")]
+    for bit in range(64):
+        ax.add_patch(Rectangle((63 - bit, 0), 1, 1, facecolor="white", edgecolor="#cccccc", lw=0.3))
+    for lo, width, name, colour in fields:
+        box(ax, 64 - lo - width, 0, width, 1, name, colour, size=8)
+        ax.text(64 - lo - 0.5, -0.35, str(lo), ha="center", fontsize=7)
+    ax.text(32, 1.5, f"the 64-bit shared-memory matrix descriptor (common/wgmma.cuh; fields at bits 0, {shifts[0]}, {shifts[1]}, "
+            f"{shifts[2]}): only the low word's start address differs between k-steps", ha="center", fontsize=9.5)
+    ax = fig.add_axes([0.04, 0.13, 0.92, 0.46])
+    blank(ax, (-0.5, 13), (-0.2, qk_steps + 1.6))
+    cols = [0.2, 1.6, 3.4, 6.0, 9.2]
+    for x, head in zip(cols, ["kk", "half", "offset (bytes)", "+ (offset >> 4)", "Q's descriptor"]):
+        ax.text(x, qk_steps + 0.8, head, fontsize=9.5, weight="bold")
+    for kk in range(qk_steps):
+        half, within = kk // per_half, kk % per_half * kstep
+        offset = half * q_half + within
+        desc = wgmma_desc(q_addr + offset, 16, atom, shifts)
+        assert desc == base + (offset >> 4)                     # what wgmma_desc_advance adds: the same descriptor
+        y = qk_steps - 1 - kk
+        for x, text in zip(cols, [str(kk), str(half), f"{half} x {q_half} + {kk % per_half} x {kstep} = {offset}",
+                                  f"+ {offset >> 4}", f"0x{desc:016x}"]):
+            ax.text(x, y + 0.3, text, fontsize=9, family="monospace" if x == cols[-1] else None)
+    caption(fig, f"A k-step kk of S = Q K^T reads 16 dims: {kstep} bytes of every row, in half kk / {per_half} ({q_half} bytes "
+            f"on for Q, the K tile's half likewise). Built whole, each descriptor costs the masks, shifts and ors of wgmma_desc "
+            "for Q and for K before every wgmma; built once per tile, the next k-step is the same 64 bits with the start "
+            "address field plus offset / 16 (wgmma_desc_advance: one add on the low word, exact while the address stays "
+            "below the field's 256 KB). The table is computed both ways and checked equal; Q at shared address 0.",
+            y=0.01, width=165)
+    return fig
+
+
+def split_order_schedule(split: bool, v_lands: float, t_s: float, t_pv: float, t_max: float, t_exp: float, t_p: float,
+                         t_rescale: float):
+    """One consumer's GEMM block (K tile j landed at 0, V tile j-1 at v_lands): (tensor-core spans, warpgroup spans)."""
+    tc, wg = [], []
+    if split:   # S first; V waited for under it; row 0's exponentials under P V, row 1's after the wait
+        tc += [("S = Q K^T", 0.0, t_s)]
+        wg += [("wait V", 0.0, v_lands)] if v_lands > 0 else []
+        pv0 = max(t_s, v_lands)
+        tc += [("P V", pv0, pv0 + t_pv)]
+        t = t_s
+        for name, d in (("max", t_max), ("exp row 0", t_exp)):
+            wg.append((name, t, t + d))
+            t += d
+        t = max(t, pv0 + t_pv)
+        for name, d in (("P row 0", t_p), ("exp row 1", t_exp), ("P row 1", t_p), ("O x alpha", t_rescale)):
+            wg.append((name, t, t + d))
+            t += d
+    else:       # step14's block: both K and V waited for before the turn, both rows' exponentials under P V
+        wg += [("wait V", 0.0, v_lands)]
+        tc += [("S = Q K^T", v_lands, v_lands + t_s), ("P V", v_lands + t_s, v_lands + t_s + t_pv)]
+        t = v_lands + t_s
+        for name, d in (("max", t_max), ("exp row 0", t_exp), ("exp row 1", t_exp)):
+            wg.append((name, t, t + d))
+            t += d
+        t = max(t, v_lands + t_s + t_pv)
+        for name, d in (("O x alpha", t_rescale), ("P rows 0, 1", 2 * t_p)):
+            wg.append((name, t, t + d))
+            t += d
+    return tc, wg
+
+
+@picture("split_order.png")
+def split_order(k: Code):
+    qk_steps = k.final("QK_STEPS")
+    durations = dict(v_lands=0.3, t_s=0.5, t_pv=0.5, t_max=0.12, t_exp=0.36, t_p=0.07, t_rescale=0.05)
+    colours = {"S = Q K^T": "#e0a060", "P V": C_COMPUTE, "wait V": C_WAIT, "max": C_SOFTMAX, "exp row 0": C_SOFTMAX,
+               "exp row 1": "#4c9f99", "P row 0": "#a6d5d1", "P row 1": "#a6d5d1", "P rows 0, 1": "#a6d5d1",
+               "O x alpha": "#f5c542"}
+    fig = plt.figure(figsize=(13, 5.8))
+    fig.suptitle("The split order inside a GEMM block: V waited for under S = Q K$^T$; row 0's exponentials under P V, "
+                 "row 1's after the wait", fontsize=12)
+    ax = fig.add_axes([0.17, 0.25, 0.81, 0.66])
+    blank(ax, (-0.05, 2.35), (-0.6, 5.3))
+    for y0, split, title in ((2.8, False, "step14's order"), (0.2, True, "the split order")):
+        tc, wg = split_order_schedule(split, **durations)
+        ax.text(-0.03, y0 + 2.05, title, ha="left", fontsize=10, weight="bold")
+        lane(ax, y0 + 1.0, "tensor cores", size=8.5)
+        lane(ax, y0, "the warpgroup", size=8.5)
+        for name, a, b in tc:
+            box(ax, a, y0 + 1.0, b - a, 0.6, name, colours[name], size=8)
+        for name, a, b in wg:
+            box(ax, a, y0, b - a, 0.6, name if b - a > 0.1 else "", colours[name], size=7.5)
+        ax.plot([durations["v_lands"]] * 2, [y0 - 0.15, y0 + 1.75], color=C_TMA, lw=1.2, ls="--")
+        ax.text(durations["v_lands"] + 0.01, y0 + 1.68, "V lands", fontsize=7.5, color=C_TMA)
+        end = max(b for _, _, b in wg)
+        ax.plot([end, end], [y0 - 0.15, y0 + 0.75], color=C_GRID, lw=1)
+    ax.annotate("time", xy=(2.3, -0.35), xytext=(2.05, -0.35), fontsize=9, va="center",
+                arrowprops=dict(arrowstyle="->", color=C_GRID))
+    for i, (name, label) in enumerate((("P row 0", "a row of S to bf16: P (its A fragments)"), ("O x alpha", "O rescaled"),
+                                       ("exp row 1", "row 1's exponentials"))):
+        box(ax, 0.0 + 0.75 * i, -0.45, 0.05, 0.2, "", colours[name])
+        ax.text(0.07 + 0.75 * i, -0.35, label, fontsize=8, va="center")
+    caption(fig, f"One consumer's block (K tile j landed, V tile j-1 a little later), a schematic. step14 waits for both "
+            f"tiles before it takes its turn; the split order issues S = Q K^T ({qk_steps} wgmma) as soon as K is there and "
+            "waits for V while they run, then issues P V. The max and row 0's exponentials run under P V (their row sums "
+            "stored to shared memory, which keeps them there), and row 1's after the wait for P V, beside the conversion of "
+            "each row to P and the rescale of O, where they overlap the other consumer's block. The widths are made up; "
+            "measured timelines of the steps are in results/h200/timeline/.", y=0.01, width=165)
+    return fig
+
+
+@picture("causal_pairs.png")
+def causal_pairs(k: Code):
+    block_m, block_n = k.final("BLOCK_M"), k.final("BLOCK_N")
+    cluster = k.final("CLUSTER", "CLUSTER_SIZE", "PAIR_CTAS")
+    n = k.final("PAIR_MIN_SEQLEN_K", "LONG_MIN_SEQLEN_K")        # the shortest causal call in pairs
+    q_tiles = ceil_div(n, block_m)
+    per_head = tiles_per_head(q_tiles, True)
+    c = 1                                                         # the cluster drawn: its CTAs 2c and 2c + 1
+    ctas = [cluster * c + r for r in range(cluster)]
+    turns = [[work_tile(t, q_tiles, 1, True)[0] for t in cta_tiles(b, H200_SMS, per_head, 2)] for b in ctas]
+    fig = plt.figure(figsize=(13, 7.0))
+    fig.suptitle(f"Causal attention in CTA pairs (N = {n}, {q_tiles} Q tiles per head): both CTAs walk the K/V tiles the "
+                 "higher Q tile sees", fontsize=12)
+    ax = fig.add_axes([0.02, 0.12, 0.5, 0.8])
+    blank(ax, (-2.4, q_tiles + 0.5), (-1.0, q_tiles + 1.0))
+    drawn = {}
+    for turn in range(2):
+        pair = [turns[r][turn] for r in range(cluster)]
+        walk = kv_range(max(pair) | 1, block_m, block_n, n, n, True)[0]
+        for r, qt in enumerate(pair):
+            drawn[qt] = (r, walk, kv_range(qt, block_m, block_n, n, n, True)[0])
+    for qt in range(q_tiles):
+        y = q_tiles - 1 - qt
+        seen = kv_range(qt, block_m, block_n, n, n, True)[0]
+        for kt in range(q_tiles):
+            colour, hatch, edge = ("#f2f2f2" if kt < seen else "white"), None, "#dddddd"
+            if qt in drawn:
+                r, walk, own = drawn[qt]
+                if kt < own:
+                    colour, edge = PAIR_COLOURS[r], "#999999"
+                elif kt < walk:
+                    colour, hatch, edge = "white", "xxxx", "#999999"
+            ax.add_patch(Rectangle((kt, y), 1, 1, facecolor=colour, edgecolor=edge, lw=0.3, hatch=hatch))
+        if qt in drawn:
+            ax.text(-0.2, y + 0.5, f"Q {qt}: CTA {ctas[drawn[qt][0]]}", ha="right", va="center", fontsize=7)
+    ax.text(q_tiles / 2, -0.3, "hatched: a tile of the pair's walk that this CTA's Q tile does not see: it waits for it and\n"
+            "releases it (the peer computes it), so both CTAs' ring slots and barriers stay in step", ha="center", va="top",
+            fontsize=8.5)
+    # Right: every cluster of the head, the K/V tiles its walks load.
+    ax = fig.add_axes([0.58, 0.2, 0.4, 0.68])
+    clusters = q_tiles // (2 * cluster)
+    for cc in range(clusters):
+        left = 0
+        for turn in range(2):
+            pair = [work_tile(t, q_tiles, 1, True)[0] for t in
+                    (cta_tiles(cluster * cc + r, H200_SMS, per_head, 2)[turn] for r in range(cluster))]
+            walk = kv_range(max(pair) | 1, block_m, block_n, n, n, True)[0]
+            ax.barh(cc, walk, left=left, color=["#9ecae1", "#c6dbef"][turn], edgecolor="white")
+            ax.text(left + walk / 2, cc, f"Q {max(pair)}, {min(pair)}", ha="center", va="center", fontsize=7)
+            left += walk
+        ax.text(left + 0.3, cc, str(left), va="center", fontsize=8)
+    ax.set_yticks(range(clusters), [f"CTAs {cluster * cc}, {cluster * cc + 1}" for cc in range(clusters)], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("K/V tiles the pair loads (each tile once, half by each CTA)")
+    ax.set_title("every pair of a head: its two rounds' walks", fontsize=10)
+    caption(fig, "A cluster takes two neighbouring pairs of one head (its pairs 2m and 2m + 1): the Q tiles q - 1 - 2m and "
+            "q - 2 - 2m first, then 2m and 2m + 1, so its two CTAs always work on neighbouring Q tiles, each the higher one "
+            "once. The walk runs from the last K/V tile back to key 0, so the tile only the higher Q tile sees comes first. "
+            "Every cluster loads the same number of K/V tiles.", y=0.01, width=165)
+    return fig
+
+
+@picture("split_tail.png")
+def split_tail_picture(k: Code):
+    block_m, block_n = k.final("BLOCK_M"), k.final("BLOCK_N")
+    cluster = k.final("CLUSTER", "CLUSTER_SIZE", "PAIR_CTAS")
+    batch, heads, n = DENSE_4K
+    tiles = ceil_div(n, block_m) * heads * batch
+    grid = min(H200_SMS, tiles) // cluster * cluster
+    walk = ceil_div(n, block_n)
+    tail = split_tail(tiles, grid, cluster, walk)
+    runs = tail["runs"]
+    fig = plt.figure(figsize=(13, 7.2))
+    fig.suptitle(f"The split tail: the last, partial round of {tiles} work tiles on {grid} CTAs ({runs} pairs), cut along "
+                 f"its K/V walks ({batch} x {heads} heads x N = {n})", fontsize=12)
+    cmap = plt.get_cmap("tab20")
+    for panel in range(2):
+        ax = fig.add_axes([0.07 + 0.48 * panel, 0.2, 0.42, 0.7])
+        ax.set_xlim(0, walk + 1)
+        ax.set_ylim(runs, -1)
+        for cl in range(runs):
+            if panel == 0:                                       # whole: pair cl takes walk cl if there is one
+                if cl < tail["walks"]:
+                    ax.barh(cl, walk, color=cmap(cl % 20), height=0.85)
+                continue
+            r = runs - 1 - cl                                    # run r goes to cluster runs - 1 - r
+            left = 0
+            for w, begin, end in tail["pieces"][r]:
+                ax.barh(cl, end - begin, left=left, color=cmap(w % 20), height=0.85, hatch="////" if begin else None,
+                        edgecolor="#333333" if begin else "white", lw=0.3)
+                left += end - begin
+        ax.set_yticks(range(0, runs, 5), [f"CTA pair {cl}" for cl in range(0, runs, 5)], fontsize=8)
+        ax.set_xlabel("K/V tiles (time)")
+        ax.set_title(f"whole: {tail['walks']} CTA pairs work {walk} K/V tiles, {runs - tail['walks']} idle" if panel == 0 else
+                     f"split: {tail['units']} units in {runs} runs of {tail['units'] // runs}-{ceil_div(tail['units'], runs)}",
+                     fontsize=10)
+    caption(fig, f"The full rounds before (work tiles 0 to {tail['whole'] - 1}) run whole and are not drawn. The last round's "
+            f"{tail['walks']} walks (a pair's {walk} K/V tiles; colour: the walk) are cut into {runs} runs of about the same "
+            "length, one per CTA pair, the last pair taking the first run. A piece that starts inside its walk (hatched) is "
+            "partial: it stores its unnormalized O, its row maxima and sums in the workspace and raises a flag; the piece that "
+            "holds the walk's start (its owner) merges them into its registers and stores O and LSE as a whole tile does "
+            "(next picture). The last round's pieces are about half a walk long.", y=0.01, width=165)
+    return fig
+
+
+@picture("split_merge.png")
+def split_merge(k: Code):
+    block_m, block_n = k.final("BLOCK_M"), k.final("BLOCK_N")
+    cluster = k.final("CLUSTER", "CLUSTER_SIZE", "PAIR_CTAS")
+    max_ctas, slot_float4s = k.final("MAX_SPLIT_CTAS"), k.final("PARTIAL_FLOAT4S")
+    consumers, wg_threads = k.final("NUM_CONSUMERS"), k.read("common/wgmma.cuh", "WARPGROUP_THREADS")
+    batch, heads, n = DENSE_4K
+    tiles = ceil_div(n, block_m) * heads * batch
+    grid = min(H200_SMS, tiles) // cluster * cluster
+    walk_len = ceil_div(n, block_n)
+    tail = split_tail(tiles, grid, cluster, walk_len)
+    by_walk: dict[int, list] = {}
+    for r, ps in tail["pieces"].items():
+        for w, b, e in ps:
+            by_walk.setdefault(w, []).append((r, b, e))
+    w = next(w for w, ps in sorted(by_walk.items()) if len(ps) == 3 and ps[0][2] - ps[0][1] >= 2)
+    runs_of = [r for r, _, _ in by_walk[w]]
+    fig = plt.figure(figsize=(13, 5.6))
+    fig.suptitle(f"The split tail's merge: walk {w} of the tail, cut into {len(runs_of)} pieces on {len(runs_of)} CTA pairs",
+                 fontsize=13)
+    ax = fig.add_axes([0.12, 0.24, 0.62, 0.66])
+    blank(ax, (-0.5, walk_len * 0.72), (-0.6, len(runs_of) * 1.4 + 0.2))
+    cmap = plt.get_cmap("tab20")
+    done = {}
+    for i, r in enumerate(runs_of):
+        y = (len(runs_of) - 1 - i) * 1.4
+        cl = tail["runs"] - 1 - r
+        lane(ax, y, f"CTA pair {cl}\n(run {r})", size=8.5)
+        t = 0.0
+        for pw, b, e in tail["pieces"][r]:
+            kind = "owner" if pw == w and b == 0 else "partial" if b else "owner"
+            box(ax, t, y, e - b, 0.7, f"walk {pw}, tiles {b}-{e - 1}" + (f"\n({kind})" if pw == w else ""),
+                cmap(pw % 20), size=7.5, hatch="////" if b else None, alpha=1.0 if pw == w else 0.45)
+            t += e - b
+            if pw == w:
+                done[r] = (t, y, b)
+    owner = runs_of[0]
+    t_own, y_own, _ = done[owner]
+    last = max(t for r, (t, _, _) in done.items() if r != owner)
+    for i, r in enumerate(runs_of[1:]):
+        t, y, _ = done[r]
+        ax.plot([t], [y + 0.85], marker="v", color=C_BARRIER, ms=9)
+        ax.text(t - 0.4, y + 0.85, "store O, m, l; raise the flag" if i == 0 else "", fontsize=7.5, ha="right", va="center",
+                color=C_BARRIER)
+        arrow(ax, (t, y + 0.85), (max(t_own, last) + 0.2, y_own + 0.35), C_BARRIER, lw=1.0, ls=":")
+    if last > t_own:
+        box(ax, t_own, y_own + 0.1, last - t_own, 0.5, "wait flags", C_WAIT, size=7)
+    m0 = max(t_own, last)
+    box(ax, m0 + 0.2, y_own, 2.0, 0.7, "merge", "#f5c542", size=8)
+    box(ax, m0 + 2.2, y_own, 1.6, 0.7, "epilogue", C_BARRIER, size=8, color="white")
+    ax.text(0, -0.5, "time, in K/V tiles ->", fontsize=8)
+    # The workspace and the merge.
+    ax = fig.add_axes([0.76, 0.24, 0.23, 0.66])
+    blank(ax, (0, 10), (0, 10))
+    slot_bytes = slot_float4s * wg_threads * 16
+    box(ax, 0.3, 7.2, 9.4, 2.2, f"flags: {max_ctas} CTAs x {consumers} ints\n(release store / acquire load)", C_BARRIER, size=8,
+        color="white")
+    box(ax, 0.3, 3.0, 9.4, 3.8, f"a slot per consumer warpgroup\nof each CTA: {slot_float4s} float4 x {wg_threads} threads\n"
+        f"= {slot_bytes} bytes (O_acc's {slot_float4s - 1},\nthen m and l of two rows)", C_LIGHT, size=8)
+    ax.text(5, 2.4, "the workspace (global memory)", ha="center", fontsize=8.5)
+    caption(fig, "Each CTA pair runs its pieces in order; a partial piece (hatched, it starts inside its walk) stores O unnormalized, "
+            "with its rows' maxima m and sums l, and then its flag. The owner (the piece that starts the walk, last in its run) "
+            "waits for each flag in turn and merges like the online softmax: m = max(m_own, m_part), O = O_own 2^(m_own - m) + "
+            "O_part 2^(m_part - m), l likewise; then it stores O / l and the LSE. Partials come from higher runs, that is lower "
+            "CTAs, which the GPU starts first; each stores before it waits for anything, so no wait can close a cycle.",
+            y=0.01, width=165)
+    return fig
+
+
+@picture("magic_division.png")
+def magic_division(k: Code):
+    block_m = k.final("BLOCK_M")
+    k.find("final", r"(__umulhi)\(", "the multiply-high of the divisions by multiplying")
+    d, example = 12, 1000                                       # 12 heads: the video shape of record
+    mul, shift = fast_div(d)
+    hi = (example * mul) >> 32
+    checked = np.arange(1 << 22, dtype=np.uint64)
+    for dd in range(1, 300):                                    # exact, for every n < 2^22 and these divisors
+        m_, s_ = fast_div(dd)
+        assert (fast_div_apply(checked, m_, s_) == checked // np.uint64(dd)).all(), dd
+    fig = plt.figure(figsize=(13, 6.2))
+    fig.suptitle("Division by multiplying: n / d as a multiply-high, an add and a shift, with d's magic number made once",
+                 fontsize=13)
+    ax = fig.add_axes([0.02, 0.2, 0.96, 0.7])
+    blank(ax, (0, 26), (0, 10))
+    box(ax, 0.5, 7.2, 7.5, 2.2, f"once, for d = {d}:\nshift = ceil(log2 d) = {shift}\nmul = 2^32 (2^shift - d) / d + 1\n"
+        f"    = {mul}", C_LIGHT, size=9.5)
+    steps = [(f"n = {example}", "#c6dbef"), (f"umulhi(n, mul)\n= (n x mul) >> 32 = {hi}", C_COMPUTE),
+             (f"+ n = {hi + example}", "#fdd0a2"), (f">> {shift} = {(hi + example) >> shift}", C_BARRIER)]
+    for i, (text, colour) in enumerate(steps):
+        box(ax, 0.5 + 6.4 * i, 3.6, 5.6, 2.2, text, colour, size=10, color="white" if colour == C_BARRIER else "black")
+        if i:
+            arrow(ax, (6.4 * i + 0.1, 4.7), (6.4 * i + 0.5, 4.7), C_GRID)
+    ax.text(13, 6.4, f"per division: three integer instructions, no divider: {example} / {d} = {example // d}", ha="center",
+            fontsize=10)
+    product = example * mul
+    box(ax, 3.0, 0.6, 10, 1.6, f"high 32 bits: {product >> 32}", C_COMPUTE, size=9.5)
+    box(ax, 13.0, 0.6, 10, 1.6, f"low 32 bits: {product & 0xFFFFFFFF} (dropped)", C_LIGHT, size=9.5)
+    ax.text(13, 2.6, f"n x mul = {product}, 64 bits; umulhi keeps the high word. Since mul / 2^32 + 1 is just above "
+            f"2^shift / d, (umulhi(n, mul) + n) / 2^shift is just above n / d, and the shift's floor is n / d.",
+            ha="center", fontsize=9)
+    ax.text(9, 8.3, "the work tile's coordinates: t / (work tiles per head), then / heads; its K/V head: head / (heads per "
+            "K/V head)\n(work tiles per head: Q tiles of " f"{block_m} rows, paired when causal). All three divisors are fixed "
+            "for a call:\ntheir magic numbers are made once, not per tile.", fontsize=9.5, va="center")
+    caption(fig, "A GPU has no integer divider: n / d for a d known only at run time compiles to a subroutine (a floating-point "
+            "reciprocal and integer corrections). With mul and shift made once for each divisor (Granlund and Montgomery, "
+            "\"Division by invariant integers using multiplication\", 1994), every division is a multiply-high, an add and a "
+            "shift, exact for 0 <= n < 2^31. This picture computes the example and checks the formula against n // d for every "
+            "n < 2^22 and d = 1 to 299 when it is drawn.", y=0.01, width=165)
+    return fig
+
+
+@picture("work_tile_coords.png")
+def work_tile_coords(k: Code):
+    block_m = k.final("BLOCK_M")
+    batch, heads, q_tiles = 2, 3, 5                                  # a small example: N = 5 Q tiles, odd (causal)
+    n = q_tiles * block_m
+    fig = plt.figure(figsize=(13, 6.0))
+    fig.suptitle(f"The work tile's coordinates: t -> (q_tile, head, batch), q_tile fastest (batch {batch}, {heads} heads, "
+                 f"N = {n}: {q_tiles} Q tiles of {block_m} rows)", fontsize=12)
+    cmap = plt.get_cmap("tab10")
+    for panel, causal in enumerate((False, True)):
+        per_head = tiles_per_head(q_tiles, causal)
+        total = per_head * heads * batch
+        ax = fig.add_axes([0.08, 0.58 - 0.4 * panel, 0.9, 0.32])
+        blank(ax, (-0.2, total + 0.2), (-0.5, 4.4))
+        ax.text(-0.3, 3.9, "causal (pairs of equal work)" if causal else "dense", ha="left", fontsize=10, weight="bold")
+        for t in range(total):
+            q_tile, head, b = work_tile(t, q_tiles, heads, causal)
+            box(ax, t, 2.6, 1, 0.7, str(t), "#eeeeee", size=7)
+            box(ax, t, 1.8, 1, 0.7, str(q_tile) if q_tile >= 0 else "-", plt.get_cmap("viridis")(max(q_tile, 0) / q_tiles)
+                if q_tile >= 0 else "white", size=7, color="white" if 0 <= q_tile < q_tiles * 0.6 else "black")
+            box(ax, t, 1.0, 1, 0.7, str(head), cmap(head), size=7, alpha=0.7)
+            box(ax, t, 0.2, 1, 0.7, str(b), cmap(3 + b), size=7, alpha=0.5)
+        for y, label in ((2.6, "t"), (1.8, "q_tile"), (1.0, "head"), (0.2, "batch")):
+            ax.text(-0.3, y + 0.35, label, ha="right", va="center", fontsize=8.5)
+    caption(fig, "bh = t / per_head and i = t - bh per_head; batch = bh / heads and head = bh - batch heads. Dense: q_tile = i "
+            f"(per_head = {q_tiles}). Causal: per_head rounds the Q tiles up to whole pairs, and within a head tile 2j is the "
+            "j-th longest (q_tiles - 1 - j) and 2j + 1 the j-th shortest (j); '-' is the empty half of an odd head's last pair, "
+            "which the CTA skips. Two divisions per tile, by divisors fixed for the call: made once into magic numbers "
+            "(magic_division.png).",
+            y=0.01, width=165)
     return fig
 
 
