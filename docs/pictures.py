@@ -1384,7 +1384,8 @@ def cta_pair_multicast(k: Code):
     for rank in range(cluster):
         x0 = 0.5 + 13 * rank
         box(ax, x0, 0.4, 12, 8.6, "", "#f7f7f7", edge=C_GRID, lw=1.5)
-        ax.text(x0 + 6, 8.55, f"CTA rank {rank} (SM {rank and 'b + 1' or 'b'}): Q tile {'2i' if rank == 0 else '2i + 1'}",
+        cta, q_tile = ("2c", "2i") if rank == 0 else ("2c + 1", "2i + 1")
+        ax.text(x0 + 6, 8.55, f"CTA {cta} (rank {rank} in the cluster): Q tile {q_tile}",
                 ha="center", fontsize=10, weight="bold")
         box(ax, x0 + 0.4, 6.2, 3.2, 1.6, f"producer\n(thread 0)\nloads half {rank}", C_TMA, size=8, color="white")
         ax.text(x0 + 8.2, 7.95, "ring slot s: K tile", ha="center", fontsize=8.5)
@@ -1536,7 +1537,7 @@ def split_order(k: Code):
             f"tiles before it takes its turn; the split order issues S = Q K^T ({qk_steps} wgmma) as soon as K is there and "
             "waits for V while they run, then issues P V. The max and row 0's exponentials run under P V (their row sums "
             "stored to shared memory, which keeps them there), and row 1's after the wait for P V, beside the conversion of "
-            "each row to P and the rescale of O, where they overlap the other consumer's block. The widths are made up; "
+            "each row to P and the rescale of O, while the tensor cores run the other consumer's block. The widths are made up; "
             "measured timelines of the steps are in results/h200/timeline/.", y=0.01, width=165)
     return fig
 
