@@ -1163,6 +1163,51 @@ def persistent_rounds(k: Code):
     return fig
 
 
+@picture("persistent_epilogue.png")
+def persistent_epilogue(k: Code):
+    block_m, consumers = k.step("step14", "BLOCK_M"), k.step("step14", "NUM_CONSUMERS")
+    rows, head_dim, half = k.step("step14", "ROWS_PER_WARPGROUP"), k.head_dim(), k.box_cols()
+    tile_kb = rows * head_dim * ELEM_BYTES // 1024
+    fig = plt.figure(figsize=(13, 5.8))
+    fig.suptitle("step14: the end of one work tile and the start of the next, in a persistent CTA (one consumer shown)",
+                 fontsize=12)
+    ax = fig.add_axes([0.16, 0.25, 0.82, 0.65])
+    blank(ax, (-0.1, 10.3), (-0.6, 4.4))
+    y_p, y_c, y_t = 3.4, 2.0, 0.6
+    lane(ax, y_p, "producer\n(thread 0)")
+    lane(ax, y_c, f"a consumer\n({rows} rows)")
+    lane(ax, y_t, "the TMA unit")
+    # tile t's last blocks, the epilogue, tile t+1's first blocks
+    spans_c = [(0.0, 1.2, "last S = Q K^T\nof tile t", "#e0a060"), (1.2, 2.6, "last P V, softmax", C_COMPUTE),
+               (2.6, 3.9, "O / l to shared\nmemory (swizzled)", C_SOFTMAX), (3.9, 4.3, "fence", "#f5c542"),
+               (4.3, 4.7, "", C_WAIT), (4.7, 6.3, "tile t+1:\nS = Q K^T", "#e0a060"), (6.3, 8.6, "blocks, softmax ...",
+                                                                                       C_COMPUTE),
+               (8.6, 9.2, "wait .read", C_WAIT), (9.2, 10.2, "O of t+1", C_SOFTMAX)]
+    for a, b, text, colour in spans_c:
+        box(ax, a, y_c, b - a, 0.7, text, colour, size=7.5)
+    ax.text(4.3, y_c + 0.85, "bar.sync, one thread stores", fontsize=7.5)
+    for a, b, text, colour in [(0.3, 1.1, "K, V of tile t", C_TMA), (1.4, 2.5, f"Q of t+1: {block_m} rows", C_TMA),
+                               (2.7, 3.7, "K, V of tile t+1", C_TMA)]:
+        box(ax, a, y_p, b - a, 0.6, text, colour, size=7.5, color="white")
+    arrow(ax, (1.2, y_c + 0.7), (1.4, y_p), C_EMPTY, lw=1.0)
+    ax.text(0.55, y_p - 0.45, "Q_empty: every S of tile t done", fontsize=7.5, color=C_EMPTY)
+    box(ax, 4.5, y_t, 4.0, 0.6, f"bulk tensor store of O tile t: 2 halves of {half} columns, {tile_kb} KB", C_TMA, size=8,
+        color="white")
+    arrow(ax, (4.5, y_c), (4.6, y_t + 0.6), C_TMA, lw=1.0)
+    arrow(ax, (8.5, y_t + 0.6), (8.7, y_c), C_BARRIER, lw=1.0)
+    ax.text(8.8, y_t + 0.3, "has read the tile:\nit may be rewritten", fontsize=7.5, color=C_BARRIER, va="center")
+    ax.annotate("time", xy=(10.2, -0.4), xytext=(9.3, -0.4), fontsize=9, va="center",
+                arrowprops=dict(arrowstyle="->", color=C_GRID))
+    caption(fig, f"A schematic of the order in step14's code (made-up widths). Each of the {consumers} consumers writes its "
+            f"normalized {rows} x {head_dim} output into a tile of its own in shared memory, in TMA's swizzled layout; "
+            "fence.proxy.async makes those ordinary stores visible to the TMA unit, and after a barrier of the warpgroup "
+            "one thread issues the two bulk stores and moves on: the stores complete under the next tile's work. Before "
+            "the tile is written again, cp.async.bulk.wait_group.read waits only until the previous store has read it. The "
+            "producer has loaded the next Q already: Q_empty completed when the consumers' last S = Q K^T of tile t did. "
+            "Measured: results/h200/timeline/step14.png.", y=0.01, width=165)
+    return fig
+
+
 # ---------------------------------------------------------------- Part II: the final kernel's schedule, in Python
 # Ported function by function from the final step's kernel.cu (tile scheduler, K/V ranges, the split tail), so that the
 # pictures below show what the kernel does at the shapes they name. Sizes come in as arguments, read from the code.
