@@ -950,6 +950,22 @@ def test_every_picture_is_shown_by_a_page():
     assert not unshown, f"pictures no page shows: {unshown}"
 
 
+def timeline_key(png: Path) -> str:
+    """How a page names a timeline: timeline/step10.png, timeline/causal/step15.png."""
+    parts = png.relative_to(ROOT).parts
+    return "/".join(parts[parts.index("timeline"):])
+
+
+def test_every_measured_timeline_is_shown_by_a_page():
+    """The timelines `python -m verify.trace` draws (results/<gpu>/timeline/...) are pictures too: each one committed is
+    shown by a docs page or a step header (as .../timeline/stepNN.png)."""
+    pages = [*ROOT.glob("docs/*.md"), ROOT / "README.md", *ROOT.glob("steps/step[0-9][0-9]/kernel.cu")]
+    text = "\n".join(p.read_text() for p in pages if p.is_file())
+    timelines = sorted(ROOT.glob("results/*/timeline/**/*.png"))
+    unshown = [str(p.relative_to(ROOT)) for p in timelines if timeline_key(p) not in text]
+    assert timelines and not unshown, f"measured timelines no page shows: {unshown}"
+
+
 @pytest.mark.parametrize("png", PNGS, ids=lambda p: p.stem)
 def test_pictures_are_small(png):
     assert png.stat().st_size < PICTURE_LIMIT_BYTES, f"{png.name}: {png.stat().st_size // 1024} KB (lower the dpi or simplify)"
