@@ -1008,19 +1008,18 @@ def test_a_picture_whose_constant_changed_is_stale(tmp_path, picture, path, name
 
 def test_a_picture_whose_drawing_changed_is_stale(tmp_path):
     """The same constants, another hash of the drawing code (as after an edit of its function or a helper)."""
-    from PIL import Image, PngImagePlugin
+    pil = pictures()  # Pillow, as docs/pictures.py imports it (a dependency of matplotlib)
     png = IMG / "tiling.png"
-    meta = pictures().drawn_from(png)
-    info = PngImagePlugin.PngInfo()
-    info.add_text(pictures().META_KEY, json.dumps(meta | {"code": "0" * 16}))
-    Image.open(png).save(tmp_path / png.name, pnginfo=info)
+    meta = pil.drawn_from(png)
+    info = pil.PngImagePlugin.PngInfo()
+    info.add_text(pil.META_KEY, json.dumps(meta | {"code": "0" * 16}))
+    pil.Image.open(png).save(tmp_path / png.name, pnginfo=info)
     problems = pictures().stale(tmp_path / png.name)
     assert len(problems) == 1 and "the code that draws it" in problems[0], problems
 
 
 def test_a_png_not_drawn_by_pictures_py_is_named(tmp_path):
-    from PIL import Image
-    Image.new("RGB", (4, 4)).save(tmp_path / "hand_drawn.png")
+    pictures().Image.new("RGB", (4, 4)).save(tmp_path / "hand_drawn.png")
     assert pictures().stale(tmp_path / "hand_drawn.png") == [
         "docs/img/hand_drawn.png: not drawn by docs/pictures.py (no flashladder-picture record in the PNG)"]
 
