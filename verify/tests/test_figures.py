@@ -1,4 +1,10 @@
-"""CPU: every measured figure in a step header, NOTES.md and docs/*.md comes from a results file it cites.
+"""CPU: every measured figure in a step header, NOTES.md and docs/*.md comes from a results file it cites; every
+picture in docs/img/ is drawn by docs/pictures.py from the kernels' constants as they are now, and is shown by a page.
+
+THE PICTURES (the tests at the end): each docs/img/*.png carries what docs/pictures.py drew it from (the constants
+it read, where, and a hash of its drawing code); a picture whose constant or drawing code changed since, one that no
+function of docs/pictures.py draws, one that no docs page, README or step header shows, or one over 150 KB fails.
+`python docs/pictures.py` redraws them all; `python docs/pictures.py --check` lists the stale ones.
 
 WHERE A FIGURE'S SOURCE IS NAMED: a citation is a path under results/ that ends in .json, .log or .txt (a
 folder ends in '/'; a glob such as `variants*.log` stands for the files it matches), written in the text:
@@ -57,6 +63,7 @@ back what any pair of them gives.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import re
@@ -893,3 +900,147 @@ def test_a_folder_alone_backs_no_figure(tmp_path):
     assert check_notes("NOTES.md", "- (results/gpu/) 662.3 TFLOP/s.\n", tmp_path)[0] == [
         "NOTES.md:1: 662.3 TFLOP/s cites only a folder: name the file it comes from"]
     assert check_notes("NOTES.md", "- (results/gpu/, a.log) 662.3 TFLOP/s.\n", tmp_path)[0] == []
+
+
+# ---- the pictures: docs/img/*.png, drawn by docs/pictures.py from the kernels' own constants ----
+
+IMG = ROOT / "docs" / "img"
+PICTURE_LIMIT_BYTES = 150 * 1024  # the whole repository travels to the GPU machine: keep each picture small
+
+
+@functools.lru_cache(maxsize=None)
+def pictures():
+    """docs/pictures.py as a module (it is a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("flashladder_pictures", ROOT / "docs" / "pictures.py")
+    module = importlib.util.module_from_spec(spec)
+    import sys
+    sys.modules[spec.name] = module  # inspect.getsource finds the module's functions through it
+    spec.loader.exec_module(module)
+    return module
+
+
+PNGS = sorted(IMG.glob("*.png"))
+
+
+def test_every_picture_is_drawn_by_pictures_py():
+    """docs/img holds exactly the pictures docs/pictures.py draws, each recording that it was drawn by it."""
+    drawn = set(pictures().PICTURES)
+    present = {p.name for p in PNGS}
+    assert present == drawn, (f"in docs/img but drawn by no function of docs/pictures.py: {sorted(present - drawn)}; "
+                              f"drawn but missing (python docs/pictures.py): {sorted(drawn - present)}")
+    for png in PNGS:
+        meta = pictures().drawn_from(png)
+        assert meta and meta["picture"] == png.name and meta["generator"] == "docs/pictures.py", png.name
+    assert len(PNGS) >= 25, f"only {len(PNGS)} pictures in docs/img"
+
+
+@pytest.mark.parametrize("png", PNGS, ids=lambda p: p.stem)
+def test_every_picture_is_up_to_date(png):
+    """The constants it was drawn from still have those values in the code, and its drawing code is unchanged."""
+    problems = pictures().stale(png)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_picture_is_shown_by_a_page():
+    """Referenced (as img/NAME.png) from a docs page, the README or a step's kernel.cu: a picture nobody shows is dead."""
+    pages = [*ROOT.glob("docs/*.md"), ROOT / "README.md", *ROOT.glob("steps/step[0-9][0-9]/kernel.cu"),
+             *ROOT.glob("steps/step[0-9][0-9]/README.md")]
+    text = "\n".join(p.read_text() for p in pages if p.is_file())
+    unshown = [p.name for p in PNGS if not re.search(rf"(?<![\w-])img/{re.escape(p.name)}", text)]
+    assert not unshown, f"pictures no page shows: {unshown}"
+
+
+def timeline_key(png: Path) -> str:
+    """How a page names a timeline: timeline/step10.png, timeline/causal/step15.png."""
+    parts = png.relative_to(ROOT).parts
+    return "/".join(parts[parts.index("timeline"):])
+
+
+def test_every_measured_timeline_is_shown_by_a_page():
+    """The timelines `python -m verify.trace` draws (results/<gpu>/timeline/...) are pictures too: each one committed is
+    shown by a docs page or a step header (as .../timeline/stepNN.png)."""
+    pages = [*ROOT.glob("docs/*.md"), ROOT / "README.md", *ROOT.glob("steps/step[0-9][0-9]/kernel.cu")]
+    text = "\n".join(p.read_text() for p in pages if p.is_file())
+    timelines = sorted(ROOT.glob("results/*/timeline/**/*.png"))
+    unshown = [str(p.relative_to(ROOT)) for p in timelines if timeline_key(p) not in text]
+    assert timelines and not unshown, f"measured timelines no page shows: {unshown}"
+
+
+@pytest.mark.parametrize("png", PNGS, ids=lambda p: p.stem)
+def test_pictures_are_small(png):
+    assert png.stat().st_size < PICTURE_LIMIT_BYTES, f"{png.name}: {png.stat().st_size // 1024} KB (lower the dpi or simplify)"
+
+
+def tree_with(tmp_path: Path, path: str, name: str, old: str, new: str) -> Path:
+    """A copy of the sources the pictures read (steps/*/kernel.cu, common/*.cuh) with one constant's value changed."""
+    for src in [*ROOT.glob("steps/step[0-9][0-9]/kernel.cu"), *ROOT.glob("common/*.cuh")]:
+        dst = tmp_path / src.relative_to(ROOT)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(src.read_text())
+    target = tmp_path / path
+    text, n = re.subn(rf"\b{name}(\s*=\s*){re.escape(old)}(?![\w.])", rf"{name}\g<1>{new}", target.read_text())
+    assert n >= 1, f"no `{name} = {old}` in {path}"
+    target.write_text(text)
+    return tmp_path
+
+
+def final_step() -> str:
+    return sorted(p.name for p in ROOT.glob("steps/step[0-9][0-9]"))[-1]
+
+
+@pytest.mark.parametrize("picture, path, name, new", [
+    ("tma_ring.png", "steps/step08/kernel.cu", "STAGES", "3"),
+    ("conditional_rescale.png", "steps/step12/kernel.cu", "RESCALE_THRESHOLD", "6.f"),
+    ("causal_mask.png", "final", "BLOCK_N", "176"),
+    ("tma_swizzle.png", "common/swizzle.cuh", "TMA_HALF_COLS", "32"),
+], ids=["ring-slots", "rescale-threshold", "final-tile", "common-header"])
+def test_a_picture_whose_constant_changed_is_stale(tmp_path, picture, path, name, new):
+    """The check fails on a stale picture: the same PNG against a tree where one constant it was drawn from changed."""
+    path = f"steps/{final_step()}/kernel.cu" if path == "final" else path
+    png = IMG / picture
+    assert pictures().stale(png) == [], "the committed picture must be up to date for this test to mean anything"
+    read = next(r for r in pictures().drawn_from(png)["reads"] if r["name"] == name)
+    old = re.search(rf"\b{name}\s*=\s*([\w.]+)", pictures().Code(ROOT).source(path)).group(1)  # in the code
+    problems = pictures().stale(png, tree_with(tmp_path, path, name, old, new))
+    now = type(read["value"])(float(new.rstrip("f")))
+    assert any(f"drawn with {name} = {read['value']} from" in p and f"which now says {now}" in p for p in problems), problems
+
+
+def test_a_picture_whose_drawing_changed_is_stale(tmp_path):
+    """The same constants, another hash of the drawing code (as after an edit of its function or a helper)."""
+    pil = pictures()  # Pillow, as docs/pictures.py imports it (a dependency of matplotlib)
+    png = IMG / "tiling.png"
+    meta = pil.drawn_from(png)
+    info = pil.PngImagePlugin.PngInfo()
+    info.add_text(pil.META_KEY, json.dumps(meta | {"code": "0" * 16}))
+    pil.Image.open(png).save(tmp_path / png.name, pnginfo=info)
+    problems = pictures().stale(tmp_path / png.name)
+    assert len(problems) == 1 and "the code that draws it" in problems[0], problems
+
+
+def test_a_png_not_drawn_by_pictures_py_is_named(tmp_path):
+    pictures().Image.new("RGB", (4, 4)).save(tmp_path / "hand_drawn.png")
+    assert pictures().stale(tmp_path / "hand_drawn.png") == [
+        "docs/img/hand_drawn.png: not drawn by docs/pictures.py (no flashladder-picture record in the PNG)"]
+
+
+def test_a_picture_drawn_again_records_the_same(tmp_path):
+    """Drawing runs here (matplotlib, no GPU) and records what the committed PNG records."""
+    for name in ("tiling.png", "causal_balance.png"):
+        out = pictures().draw(name, out=tmp_path)
+        assert pictures().drawn_from(out) == pictures().drawn_from(IMG / name), name
+
+
+@pytest.mark.parametrize("source, name, kw, value", [
+    ("constexpr int STAGES = 2;  // slots", "STAGES", {}, 2),
+    ("constexpr float RESCALE_THRESHOLD = 8.f;", "RESCALE_THRESHOLD", {"cast": float}, 8.0),
+    ("constexpr int A = 64, B = 2;\nconstexpr int C = A / B * 3;", "C", {}, 96),
+    ("static constexpr int CLUSTER = PAIRED ? 2 : 1;", "CLUSTER", {}, 2),
+    ("static constexpr int CLUSTER = PAIRED ? 2 : 1;", "CLUSTER", {"branch": 1}, 1),
+    ("enum NamedBarrier : int { TURN0 = 1, TURN1 = 2 };", "TURN1", {}, 2),
+    ("// STAGES = 3 in a comment\nconstexpr int STAGES = 2;", "STAGES", {}, 2),
+], ids=["int", "float", "expression", "conditional", "conditional-else", "enum", "not-a-comment"])
+def test_how_constants_are_read(tmp_path, source, name, kw, value):
+    (tmp_path / "common").mkdir()
+    (tmp_path / "x.cu").write_text(source + "\n")
+    assert pictures().Code(tmp_path).read("x.cu", name, **kw) == value
