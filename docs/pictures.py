@@ -1411,10 +1411,10 @@ def gqa_heads(k: Code):
 
 @picture("cta_pair_multicast.png")
 def cta_pair_multicast(k: Code):
-    cluster = k.final("CLUSTER", "CLUSTER_SIZE", "PAIR_CTAS")
+    cluster = k.final("PAIR_CTAS")
     block_n, head_dim, half = k.final("BLOCK_N"), k.head_dim(), k.box_cols()
     consumer_warps = k.final("CONSUMER_WARPS")
-    pair_min = k.final("PAIR_MIN_SEQLEN_K", "LONG_MIN_SEQLEN_K")
+    pair_min = k.final("PAIR_MIN_SEQLEN_K")
     tile_bytes = block_n * head_dim * ELEM_BYTES
     half_bytes = block_n * half * ELEM_BYTES
     fig = plt.figure(figsize=(13, 7.6))
@@ -1590,8 +1590,8 @@ def split_order(k: Code):
 @picture("causal_pairs.png")
 def causal_pairs(k: Code):
     block_m, block_n = k.final("BLOCK_M"), k.final("BLOCK_N")
-    cluster = k.final("CLUSTER", "CLUSTER_SIZE", "PAIR_CTAS")
-    n = k.final("PAIR_MIN_SEQLEN_K", "LONG_MIN_SEQLEN_K")        # the shortest causal call in pairs
+    cluster = k.final("PAIR_CTAS")
+    n = k.final("PAIR_MIN_SEQLEN_K")        # the shortest causal call in pairs
     q_tiles = ceil_div(n, block_m)
     per_head = tiles_per_head(q_tiles, True)
     c = 1                                                         # the cluster drawn: its CTAs 2c and 2c + 1
@@ -1652,7 +1652,7 @@ def causal_pairs(k: Code):
 @picture("split_tail.png")
 def split_tail_picture(k: Code):
     block_m, block_n = k.final("BLOCK_M"), k.final("BLOCK_N")
-    cluster = k.final("CLUSTER", "CLUSTER_SIZE", "PAIR_CTAS")
+    cluster = k.final("PAIR_CTAS")
     batch, heads, n = DENSE_4K
     tiles = ceil_div(n, block_m) * heads * batch
     grid = min(H200_SMS, tiles) // cluster * cluster
@@ -1695,7 +1695,7 @@ def split_tail_picture(k: Code):
 @picture("split_merge.png")
 def split_merge(k: Code):
     block_m, block_n = k.final("BLOCK_M"), k.final("BLOCK_N")
-    cluster = k.final("CLUSTER", "CLUSTER_SIZE", "PAIR_CTAS")
+    cluster = k.final("PAIR_CTAS")
     max_ctas, slot_float4s = k.final("MAX_SPLIT_CTAS"), k.final("PARTIAL_FLOAT4S")
     consumers, wg_threads = k.final("NUM_CONSUMERS"), k.read("common/wgmma.cuh", "WARPGROUP_THREADS")
     batch, heads, n = DENSE_4K

@@ -58,7 +58,8 @@ constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES, KV_HALF_BYTES = BLOCK_N * ROW_
 // each loads one half of every K/V tile into both (TMA multicast). A dense call takes them with an even number of Q
 // tiles and at least this many keys. The other calls run one CTA per cluster.
 constexpr int PAIR_MIN_SEQLEN_K = 4096;
-__host__ __device__ constexpr int cluster_ctas(bool paired) { return paired ? 2 : 1; }
+constexpr int PAIR_CTAS = 2;  // the CTAs of a cluster of the paired kernel
+__host__ __device__ constexpr int cluster_ctas(bool paired) { return paired ? PAIR_CTAS : 1; }
 
 // ==== Shared memory, barriers, the ring ====
 // The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the address bits 4-9, and the

@@ -13,8 +13,9 @@
 //   wait); row 1's exponentials run after the wait, beside the conversion of P and the rescale of O, their shift made
 //   to depend on O so that ptxas cannot hoist them. The kernel of one CTA per cluster keeps step15's order.
 // WHY (results/h200/2026-12-01-fa3-recipe/ab-176parts.log, at N = 16K on the 176-key tile in pairs): FA3's order ran
-//   702.8 TFLOP/s, without it 674.4. Without the pairs it gained nothing at 128 keys (ab-s13split.log: 646.4 against
-//   647.1 on step13 at 16K), and on step15 it lost its clock (ab-s15split.log): it pays only where the pairs keep it.
+//   702.8 TFLOP/s, without it 674.4. Without the pairs it gained nothing at 128 keys
+//   (results/h200/2026-12-01-fa3-recipe/ab-s13split.log: 646.4 against 647.1 on step13 at 16K), and on step15 it lost
+//   its clock (results/h200/2026-12-01-fa3-recipe/ab-s15split.log): it pays only where the pairs keep the clock.
 // PREDICTION: +1-2% from 4K keys up, where the paired kernel runs; nothing below.
 // MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
 //   (results/h200/2026-12-03-part2/README.md).
@@ -59,7 +60,8 @@ constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES, KV_HALF_BYTES = BLOCK_N * ROW_
 // each loads one half of every K/V tile into both (TMA multicast). A dense call takes them with an even number of Q
 // tiles and at least this many keys. The other calls run one CTA per cluster.
 constexpr int PAIR_MIN_SEQLEN_K = 4096;
-__host__ __device__ constexpr int cluster_ctas(bool paired) { return paired ? 2 : 1; }
+constexpr int PAIR_CTAS = 2;  // the CTAs of a cluster of the paired kernel
+__host__ __device__ constexpr int cluster_ctas(bool paired) { return paired ? PAIR_CTAS : 1; }
 
 // ==== Shared memory, barriers, the ring ====
 // The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the address bits 4-9, and the

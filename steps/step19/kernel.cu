@@ -15,7 +15,8 @@
 //   of equal work already deal the two CTAs of a cluster neighbouring Q tiles each round: no scheduler change.
 // WHY (results/h200/2026-12-01-fa3-recipe/ncu-causal-8k/c8k.log): at N = 8K causal, step15's SMs were active
 //   1.272e+06 cycles on average, FA3's 1.201e+06, for the same wgmma: FA3's causal lead over step15 is work per clock,
-//   which the paired kernel's loop (steps 17-18) has.
+//   which the paired kernel's loop (steps 17-18) has. Where the cycles go, and seven tries that did not pay on the
+//   kernel of one CTA per cluster: results/h200/2026-12-02-tile-ends/.
 // PREDICTION: causal and grouped heads from 4K keys: the paired kernel's gain over step15's kernel, +3-5%.
 // MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
 //   (results/h200/2026-12-03-part2/README.md).
@@ -61,7 +62,8 @@ constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES, KV_HALF_BYTES = BLOCK_N * ROW_
 // and at least this many keys; causal, with the diagonal at or right of the top-left one and whole quadruples of Q
 // tiles in every head (the schedule below). The other calls run one CTA per cluster.
 constexpr int PAIR_MIN_SEQLEN_K = 4096;
-__host__ __device__ constexpr int cluster_ctas(bool paired) { return paired ? 2 : 1; }
+constexpr int PAIR_CTAS = 2;  // the CTAs of a cluster of the paired kernel
+__host__ __device__ constexpr int cluster_ctas(bool paired) { return paired ? PAIR_CTAS : 1; }
 
 // ==== Shared memory, barriers, the ring ====
 // The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the address bits 4-9, and the

@@ -1,4 +1,4 @@
-"""CPU: every measured figure in a step header, NOTES.md and docs/*.md comes from a results file it cites; every
+"""CPU: every measured figure in a step header and docs/*.md comes from a results file it cites; every
 picture in docs/img/ is drawn by docs/pictures.py from the kernels' constants as they are now, and is shown by a page.
 
 THE PICTURES (the tests at the end): each docs/img/*.png carries what docs/pictures.py drew it from (the constants
@@ -14,7 +14,7 @@ name counts where a folder cited beside it holds that file.
   * A step's kernel.cu: the header is its leading comment block; a paragraph there runs from an ALL-CAPS
     heading (`// MEASURED (results/....json, H200, N = 4K / 8K / 16K):`) or a blank comment line to the next
     blank comment line or heading. Further down the file, only paragraphs that cite are checked.
-  * NOTES.md, docs/*.md: a paragraph, a list item, a table row or a heading; a heading's citations cover its
+  * docs/*.md: a paragraph, a list item, a table row or a heading; a heading's citations cover its
     section.
 
 WHAT A FIGURE IS:
@@ -606,7 +606,7 @@ def check_notes(where: str, text: str, root: Path = ROOT, unread: list[str] | No
 
 
 KERNELS = sorted(ROOT.glob("steps/step[0-9][0-9]/kernel.cu"))
-MARKDOWN = [ROOT / "NOTES.md", *sorted(ROOT.glob("docs/*.md"))]
+MARKDOWN = sorted(ROOT.glob("docs/*.md"))
 
 
 def check_file(path: Path, unread: list[str]) -> tuple[list[str], int]:
@@ -628,17 +628,17 @@ def test_every_figure_has_a_source(path):
 
 def test_the_checker_sees_the_figures():
     """Guard against a checker that passes because it finds nothing: the committed notes cite results."""
-    counts = [check_file(p, [])[1] for p in [*KERNELS, ROOT / "NOTES.md"]]
+    counts = [check_file(p, [])[1] for p in [*KERNELS, ROOT / "docs" / "design.md"]]
     assert sum(counts) > 0 and counts[-1] > 0, counts
 
 
 def test_the_history_the_notes_cite_is_readable():
-    """NOTES.md cites files that left the tree as PATH@COMMIT; CI runs on a full clone, where `git show` reads them."""
+    """docs/design.md cites files that left the tree as PATH@COMMIT; CI runs on a full clone, where `git show` reads them."""
     r = repo(ROOT)
     if r.history:
         pytest.skip(f"no git history here ({r.history}): the citations of files at past commits cannot be read")
-    cites = [(m.group(1), m.group(2)) for m in CITE.finditer((ROOT / "NOTES.md").read_text()) if m.group(2)]
-    assert cites, "NOTES.md cites no file of the git history (PATH@COMMIT)"
+    cites = [(m.group(1), m.group(2)) for m in CITE.finditer((ROOT / "docs" / "design.md").read_text()) if m.group(2)]
+    assert cites, "docs/design.md cites no file of the git history (PATH@COMMIT)"
     path, rev = next((p, c) for p, c in cites if p.endswith(RESULTS_SUFFIXES))
     try:
         text = r.read(path, r.commit(rev))
