@@ -199,21 +199,21 @@ struct MmaWarpgroup {
         for (int r = 0; r < 2; ++r) {
             float tile_max = -INFINITY;
             for (int nb = 0; nb < S_BLOCKS; ++nb)
-                tile_max = fmaxf(tile_max, fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+                tile_max = fmaxf(tile_max, fmaxf(frag_at(S_acc, nb, r, 0), frag_at(S_acc, nb, r, 1)));
             const float m_new = fmaxf(m_i[r], quad_max(tile_max));
             const float alpha = ex2_approx_ftz((m_i[r] - m_new) * scale_log2);  // 2^-inf = 0 on the first tile
             const float m_scaled = m_new * scale_log2;
             float row_sum = 0.f;
             for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one MUFU.EX2 per element
-                S_acc[4 * nb + 2 * r] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r], scale_log2, -m_scaled));
-                S_acc[4 * nb + 2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r + 1], scale_log2, -m_scaled));
-                row_sum += S_acc[4 * nb + 2 * r] + S_acc[4 * nb + 2 * r + 1];
+                frag_at(S_acc, nb, r, 0) = ex2_approx_ftz(fmaf(frag_at(S_acc, nb, r, 0), scale_log2, -m_scaled));
+                frag_at(S_acc, nb, r, 1) = ex2_approx_ftz(fmaf(frag_at(S_acc, nb, r, 1), scale_log2, -m_scaled));
+                row_sum += frag_at(S_acc, nb, r, 0) + frag_at(S_acc, nb, r, 1);
             }
             l_i[r] = alpha * l_i[r] + row_sum;  // no shuffle: the quad's parts are added once, at the end
             m_i[r] = m_new;
             for (int db = 0; db < O_BLOCKS; ++db) {
-                O_acc[4 * db + 2 * r] *= alpha;
-                O_acc[4 * db + 2 * r + 1] *= alpha;
+                frag_at(O_acc, db, r, 0) *= alpha;
+                frag_at(O_acc, db, r, 1) *= alpha;
             }
         }
 
@@ -222,10 +222,10 @@ struct MmaWarpgroup {
         // memory: LBO = the distance between V's two 64-dim halves, SBO = one 8-key atom.
         uint32_t P_frag[PV_STEPS][4];
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            P_frag[kk][0] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 0], S_acc[8 * kk + 1]);  // row g,   keys +2t
-            P_frag[kk][1] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 2], S_acc[8 * kk + 3]);  // row g+8, keys +2t
-            P_frag[kk][2] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 4], S_acc[8 * kk + 5]);  // row g,   keys +8+2t
-            P_frag[kk][3] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 6], S_acc[8 * kk + 7]);  // row g+8, keys +8+2t
+            for (int r = 0; r < 2; ++r) {
+                P_frag[kk][r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, r, 0), frag_at(S_acc, 2 * kk, r, 1));              // keys +2t
+                P_frag[kk][2 + r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, r, 0), frag_at(S_acc, 2 * kk + 1, r, 1));  // keys +8+2t
+            }
         }
         wait_full(&smem.V_full[stage], kv_tile, kv_tile);
         wgmma_fence();  // O_acc (rescaled) and P_frag were written by ordinary instructions just now
@@ -252,7 +252,7 @@ struct MmaWarpgroup {
             __nv_bfloat16* O_gmem = row_ptr(static_cast<__nv_bfloat16*>(p.o), p.o_stride, batch, head, q_row);
             for (int db = 0; db < O_BLOCKS; ++db)
                 *reinterpret_cast<__nv_bfloat162*>(O_gmem + db * 8 + 2 * quad_col) =
-                    __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
+                    __floats2bfloat162_rn(frag_at(O_acc, db, r, 0) * inv_l, frag_at(O_acc, db, r, 1) * inv_l);
             if (quad_col == 0)
                 p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
         }

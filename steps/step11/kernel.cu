@@ -42,6 +42,7 @@ constexpr int BLOCK_M = 128;                          // query rows per block
 constexpr int BLOCK_N = 128;                          // keys per K/V tile
 constexpr int NUM_CONSUMERS = 2;                      // consumer warpgroups, each computes 64 query rows with wgmma
 constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * WARPGROUP_THREADS;  // warpgroup 0: the producer
+constexpr int CONSUMER_THREADS = NUM_CONSUMERS * WARPGROUP_THREADS;  // the two that take turns on the tensor cores
 constexpr int ROWS_PER_WARPGROUP = BLOCK_M / NUM_CONSUMERS;  // 64: wgmma's M
 constexpr int S_BLOCKS = BLOCK_N / 8;                 // S: 16 blocks of 8 keys, 4 registers each per thread
 constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 blocks of 8 dims, 4 registers each per thread
@@ -84,9 +85,9 @@ struct Turn {
         : mine(consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN), other(consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN) {}
     __device__ void take(int kv_tile) const {
         TRACE_SPAN(TRACE_TURN_WAIT_BEGIN, kv_tile);
-        named_barrier_sync(mine, NUM_CONSUMERS * WARPGROUP_THREADS);
+        named_barrier_sync(mine, CONSUMER_THREADS);
     }
-    __device__ void pass() const { named_barrier_arrive(other, NUM_CONSUMERS * WARPGROUP_THREADS); }
+    __device__ void pass() const { named_barrier_arrive(other, CONSUMER_THREADS); }
 };
 
 // The ring's phases. A slot's n-th fill (n = count / STAGES, count = K/V tiles through the ring so far)
@@ -166,8 +167,8 @@ struct MmaWarpgroup {
     const int quad_col;            // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
     const uint32_t Q_rows;         // this warpgroup's 64 rows of Q at k-step 0: the A operand of S = Q K^T
     const float scale_log2;        // softmax scale * log2(e): exp(x * scale) = 2^(x * scale_log2)
-    float S_acc[S_BLOCKS * 4];     // S_acc[4 * nb + i]: key block nb, i as in mma's D fragment (common/wgmma.cuh)
-    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: O_acc[4 * db + i] likewise
+    float S_acc[S_BLOCKS * 4];     // S = Q K^T of a K/V tile: frag_at(S_acc, nb, r, i) is key 8 nb + 2 quad_col + i
+    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: frag_at(O_acc, db, r, i) likewise
     uint32_t P_frag[PV_STEPS][4];  // the last softmax's P in bf16: the A operand of the next O += P V
     float m_i[2];                  // running max of rows quad_row, quad_row+8 (RAW scores)
     float l_i[2];                  // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
@@ -205,28 +206,28 @@ struct MmaWarpgroup {
     __device__ void softmax() {
         for (int r = 0; r < 2; ++r) {
             float tile_max = -INFINITY;
-            for (int nb = 0; nb < S_BLOCKS; ++nb) tile_max = fmaxf(tile_max, fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            for (int nb = 0; nb < S_BLOCKS; ++nb) tile_max = fmaxf(tile_max, fmaxf(frag_at(S_acc, nb, r, 0), frag_at(S_acc, nb, r, 1)));
             const float m_new = fmaxf(m_i[r], quad_max(tile_max));
             const float alpha = ex2_approx_ftz((m_i[r] - m_new) * scale_log2);  // 2^-inf = 0 on the first tile
             const float m_scaled = m_new * scale_log2;
             float row_sum = 0.f;
             for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one MUFU.EX2 per element
-                S_acc[4 * nb + 2 * r] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r], scale_log2, -m_scaled));
-                S_acc[4 * nb + 2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r + 1], scale_log2, -m_scaled));
-                row_sum += S_acc[4 * nb + 2 * r] + S_acc[4 * nb + 2 * r + 1];
+                frag_at(S_acc, nb, r, 0) = ex2_approx_ftz(fmaf(frag_at(S_acc, nb, r, 0), scale_log2, -m_scaled));
+                frag_at(S_acc, nb, r, 1) = ex2_approx_ftz(fmaf(frag_at(S_acc, nb, r, 1), scale_log2, -m_scaled));
+                row_sum += frag_at(S_acc, nb, r, 0) + frag_at(S_acc, nb, r, 1);
             }
             l_i[r] = alpha * l_i[r] + row_sum;  // no shuffle: the quad's parts are added once, at the end
             m_i[r] = m_new;
             for (int db = 0; db < O_BLOCKS; ++db) {
-                O_acc[4 * db + 2 * r] *= alpha;
-                O_acc[4 * db + 2 * r + 1] *= alpha;
+                frag_at(O_acc, db, r, 0) *= alpha;
+                frag_at(O_acc, db, r, 1) *= alpha;
             }
         }
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            P_frag[kk][0] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 0], S_acc[8 * kk + 1]);  // row g,   keys +2t
-            P_frag[kk][1] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 2], S_acc[8 * kk + 3]);  // row g+8, keys +2t
-            P_frag[kk][2] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 4], S_acc[8 * kk + 5]);  // row g,   keys +8+2t
-            P_frag[kk][3] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 6], S_acc[8 * kk + 7]);  // row g+8, keys +8+2t
+            for (int r = 0; r < 2; ++r) {
+                P_frag[kk][r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, r, 0), frag_at(S_acc, 2 * kk, r, 1));              // keys +2t
+                P_frag[kk][2 + r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, r, 0), frag_at(S_acc, 2 * kk + 1, r, 1));  // keys +8+2t
+            }
         }
     }
     __device__ void release(uint64_t* empty) const {  // this warp is done with a ring slot
@@ -308,7 +309,7 @@ struct MmaWarpgroup {
             __nv_bfloat16* O_gmem = row_ptr(static_cast<__nv_bfloat16*>(p.o), p.o_stride, batch, head, q_row);
             for (int db = 0; db < O_BLOCKS; ++db)
                 *reinterpret_cast<__nv_bfloat162*>(O_gmem + db * 8 + 2 * quad_col) =
-                    __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
+                    __floats2bfloat162_rn(frag_at(O_acc, db, r, 0) * inv_l, frag_at(O_acc, db, r, 1) * inv_l);
             if (quad_col == 0) p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
         }
     }

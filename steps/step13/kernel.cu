@@ -38,10 +38,12 @@
 
 namespace {
 
+// ==== Sizes ====
 constexpr int BLOCK_M = 128;                          // query rows per block
 constexpr int BLOCK_N = 128;                          // keys per K/V tile
 constexpr int NUM_CONSUMERS = 2;                      // consumer warpgroups, each computes 64 query rows with wgmma
 constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * WARPGROUP_THREADS;  // warpgroup 0: the producer
+constexpr int CONSUMER_THREADS = NUM_CONSUMERS * WARPGROUP_THREADS;  // the two that take turns on the tensor cores
 constexpr int ROWS_PER_WARPGROUP = BLOCK_M / NUM_CONSUMERS;  // 64: wgmma's M
 constexpr int S_BLOCKS = BLOCK_N / 8;                 // S: 16 blocks of 8 keys, 4 registers each per thread
 constexpr int O_BLOCKS = HEAD_DIM / 8;                // O: 16 blocks of 8 dims, 4 registers each per thread
@@ -61,8 +63,9 @@ constexpr int KSTEP_BYTES = 16 * sizeof(__nv_bfloat16);           // 32: 16 colu
 constexpr int KSTEPS_PER_HALF = TMA_HALF_COLS / 16;               // k-steps 0-3 read half 0, 4-7 half 1
 constexpr int Q_HALF_BYTES = BLOCK_M * ROW_BYTES, KV_HALF_BYTES = BLOCK_N * ROW_BYTES;
 
-// Shared memory. The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the
-// address bits 4-9, and the wgmma descriptors (base offset 0) assume the atoms start on 1024 bytes.
+// ==== Shared memory, barriers, the ring ====
+// The tiles first, each 1024-byte aligned: TMA's 128-byte swizzle is a function of the address bits 4-9, and the
+// wgmma descriptors (base offset 0) assume the atoms start on 1024 bytes.
 struct alignas(1024) SharedStorage {
     __nv_bfloat16 Q[BLOCK_M * HEAD_DIM];          // [2 halves, BLOCK_M, 64]
     __nv_bfloat16 K[STAGES][BLOCK_N * HEAD_DIM];  // [2 halves, BLOCK_N, 64] per slot
@@ -87,9 +90,9 @@ struct Turn {
         : mine(consumer == 0 ? CONSUMER0_TURN : CONSUMER1_TURN), other(consumer == 0 ? CONSUMER1_TURN : CONSUMER0_TURN) {}
     __device__ void take(int kv_tile) const {
         TRACE_SPAN(TRACE_TURN_WAIT_BEGIN, kv_tile);
-        named_barrier_sync(mine, NUM_CONSUMERS * WARPGROUP_THREADS);
+        named_barrier_sync(mine, CONSUMER_THREADS);
     }
-    __device__ void pass() const { named_barrier_arrive(other, NUM_CONSUMERS * WARPGROUP_THREADS); }
+    __device__ void pass() const { named_barrier_arrive(other, CONSUMER_THREADS); }
 };
 
 // The ring's phases. A slot's n-th fill (n = count / STAGES, count = K/V tiles through the ring so far)
@@ -105,6 +108,7 @@ __device__ __forceinline__ void wait_full(uint64_t* full, int count, int kv_tile
 // is the first one, so only the first GEMM block masks.
 __device__ __forceinline__ int kv_row(int kv_tile, int num_kv_tiles) { return (num_kv_tiles - 1 - kv_tile) * BLOCK_N; }
 
+// ==== The producer ====
 // One thread asks the TMA unit for a [ROWS, HEAD_DIM] tile starting at `row` of (head, batch): two boxes of
 // [ROWS, 64] (the two swizzled halves), both completing on `bar`, which first learns how many bytes to expect.
 // Rows past the tensor's end arrive as zeros.
@@ -113,16 +117,6 @@ __device__ void load_tile_tma(__nv_bfloat16* dst_smem, const CUtensorMap* map, i
     mbarrier_arrive_expect_tx(bar, ROWS * HEAD_DIM * sizeof(__nv_bfloat16));
     cp_async_bulk_tensor_4d_global_to_shared(dst_smem, map, 0, row, head, batch, bar);
     cp_async_bulk_tensor_4d_global_to_shared(dst_smem + ROWS * TMA_HALF_COLS, map, TMA_HALF_COLS, row, head, batch, bar);
-}
-
-// Max / sum over the 4 threads of a quad (lanes 4r..4r+3 of a warp hold one query row).
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // The producer: one thread keeps the ring full. Q once, then for every K/V tile: wait until the slot is
@@ -155,6 +149,19 @@ __device__ void producer_load(SharedStorage& smem, const FwdParams& p, const CUt
     }
 }
 
+// ==== The consumers: the accumulator's rows ====
+// An accumulator fragment (common/wgmma.cuh: frag_at) holds two rows of this lane, r = 0 (quad_row) and r = 1
+// (quad_row + 8), each spread over the 4 lanes of a quad. Max / sum over those 4 lanes:
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ==== The consumers: GEMM blocks and the online softmax ====
 // A consumer warpgroup: 64 query rows of the block's 128, in registers. The tensor-core work between two
 // softmaxes is one GEMM block: S = Q K^T of K/V tile j, then O += P V of tile j-1, two commit groups issued on
 // this consumer's turn. The first block holds only S of tile 0, the last only the P V of the last tile:
@@ -169,8 +176,8 @@ struct MmaWarpgroup {
     const int quad_col;            // ... and columns 2*quad_col, 2*quad_col+1 of every 8-wide block
     const uint32_t Q_rows;         // this warpgroup's 64 rows of Q at k-step 0: the A operand of S = Q K^T
     const float scale_log2;        // softmax scale * log2(e): exp(x * scale) = 2^(x * scale_log2)
-    float S_acc[S_BLOCKS * 4];     // S_acc[4 * nb + i]: key block nb, i as in mma's D fragment (common/wgmma.cuh)
-    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: O_acc[4 * db + i] likewise
+    float S_acc[S_BLOCKS * 4];     // S = Q K^T of a K/V tile: frag_at(S_acc, nb, r, i) is key 8 nb + 2 quad_col + i
+    float O_acc[O_BLOCKS * 4];     // the warpgroup's [64 rows, 128 dims]: frag_at(O_acc, db, r, i) likewise
     uint32_t P_frag[PV_STEPS][4];  // the last softmax's P in bf16: the A operand of the next O += P V
     float m_i[2];                  // running max of rows quad_row, quad_row+8 (RAW scores)
     float l_i[2];                  // this lane's part of the running sum of 2^((score - m_i) * scale_log2)
@@ -212,8 +219,8 @@ struct MmaWarpgroup {
         float row_max[2];
         for (int r = 0; r < 2; ++r) {
             float m[4];
-            for (int j = 0; j < 4; ++j) m[j] = fmaxf(S_acc[4 * j + 2 * r], S_acc[4 * j + 2 * r + 1]);
-            for (int nb = 4; nb < S_BLOCKS; ++nb) m[nb % 4] = fmaxf(m[nb % 4], fmaxf(S_acc[4 * nb + 2 * r], S_acc[4 * nb + 2 * r + 1]));
+            for (int j = 0; j < 4; ++j) m[j] = fmaxf(frag_at(S_acc, j, r, 0), frag_at(S_acc, j, r, 1));
+            for (int nb = 4; nb < S_BLOCKS; ++nb) m[nb % 4] = fmaxf(m[nb % 4], fmaxf(frag_at(S_acc, nb, r, 0), frag_at(S_acc, nb, r, 1)));
             row_max[r] = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
         }
         for (int r = 0; r < 2; ++r) row_max[r] = quad_max(row_max[r]);
@@ -226,9 +233,9 @@ struct MmaWarpgroup {
             const float m_scaled = m_new * scale_log2;
             float row_sum = 0.f;
             for (int nb = 0; nb < S_BLOCKS; ++nb) {  // one FFMA + one MUFU.EX2 per element
-                S_acc[4 * nb + 2 * r] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r], scale_log2, -m_scaled));
-                S_acc[4 * nb + 2 * r + 1] = ex2_approx_ftz(fmaf(S_acc[4 * nb + 2 * r + 1], scale_log2, -m_scaled));
-                row_sum += S_acc[4 * nb + 2 * r] + S_acc[4 * nb + 2 * r + 1];
+                frag_at(S_acc, nb, r, 0) = ex2_approx_ftz(fmaf(frag_at(S_acc, nb, r, 0), scale_log2, -m_scaled));
+                frag_at(S_acc, nb, r, 1) = ex2_approx_ftz(fmaf(frag_at(S_acc, nb, r, 1), scale_log2, -m_scaled));
+                row_sum += frag_at(S_acc, nb, r, 0) + frag_at(S_acc, nb, r, 1);
             }
             l_i[r] = alpha[r] * l_i[r] + row_sum;  // no shuffle: the quad's parts are added once, at the end
             m_i[r] = m_new;
@@ -236,21 +243,21 @@ struct MmaWarpgroup {
     }
     // The second half, once the previous P V is complete: rescale O (skipped when no row of the warp moved
     // its shift, a warp-uniform branch: after the first few tiles of a row the common case), and P for the
-    // next block (two neighbouring 8-key blocks of S, rounded to bf16).
+    // next block (two neighbouring 8-key blocks of S, rounded to bf16: mma's A fragment).
     __device__ void rescale_o_and_make_p() {
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
             for (int db = 0; db < O_BLOCKS; ++db) {
                 for (int r = 0; r < 2; ++r) {
-                    O_acc[4 * db + 2 * r] *= alpha[r];
-                    O_acc[4 * db + 2 * r + 1] *= alpha[r];
+                    frag_at(O_acc, db, r, 0) *= alpha[r];
+                    frag_at(O_acc, db, r, 1) *= alpha[r];
                 }
             }
         }
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            P_frag[kk][0] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 0], S_acc[8 * kk + 1]);  // row g,   keys +2t
-            P_frag[kk][1] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 2], S_acc[8 * kk + 3]);  // row g+8, keys +2t
-            P_frag[kk][2] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 4], S_acc[8 * kk + 5]);  // row g,   keys +8+2t
-            P_frag[kk][3] = cvt_rn_bf16x2_f32(S_acc[8 * kk + 6], S_acc[8 * kk + 7]);  // row g+8, keys +8+2t
+            for (int r = 0; r < 2; ++r) {
+                P_frag[kk][r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, r, 0), frag_at(S_acc, 2 * kk, r, 1));              // keys +2t
+                P_frag[kk][2 + r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, r, 0), frag_at(S_acc, 2 * kk + 1, r, 1));  // keys +8+2t
+            }
         }
     }
     __device__ void release(uint64_t* empty) const {  // this warp is done with a ring slot
@@ -347,7 +354,7 @@ struct MmaWarpgroup {
             __nv_bfloat16* O_gmem = row_ptr(static_cast<__nv_bfloat16*>(p.o), p.o_stride, batch, head, q_row);
             for (int db = 0; db < O_BLOCKS; ++db)
                 *reinterpret_cast<__nv_bfloat162*>(O_gmem + db * 8 + 2 * quad_col) =
-                    __floats2bfloat162_rn(O_acc[4 * db + 2 * r] * inv_l, O_acc[4 * db + 2 * r + 1] * inv_l);
+                    __floats2bfloat162_rn(frag_at(O_acc, db, r, 0) * inv_l, frag_at(O_acc, db, r, 1) * inv_l);
             if (quad_col == 0) p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + q_row] = m_i[r] * p.scale + logf(l);
         }
     }
@@ -370,9 +377,10 @@ __device__ void consumer_mma(SharedStorage& smem, const FwdParams& p, int index)
     wg.epilogue();
 }
 
-// The kernel: set up the barriers, then split by warpgroup into the two roles. The tensor maps are
-// kernel parameters (__grid_constant__): the TMA unit reads them from parameter memory. One block per SM;
-// the (threads, 1) launch bound caps registers at kernel entry (168), which setmaxnreg then redistributes.
+// ==== The kernel ====
+// Set up the barriers, then split by warpgroup into the two roles. The tensor maps are kernel parameters
+// (__grid_constant__): the TMA unit reads them from parameter memory. One block per SM; the (threads, 1) launch bound
+// caps registers at kernel entry (168), which setmaxnreg then redistributes.
 __global__ void __launch_bounds__(NUM_THREADS, 1)
     attention_fwd_kernel(const FwdParams p, const __grid_constant__ CUtensorMap Q_map,
                          const __grid_constant__ CUtensorMap K_map, const __grid_constant__ CUtensorMap V_map) {
@@ -404,7 +412,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
 
 }  // namespace
 
-// ---- host launcher: grid, block, shared memory, attributes ----
+// ==== The host: exports and the launcher ====
 FLASHLADDER_EXPORT int flashladder_seqlen_multiple_q() { return 1; }  // any seqlen: TMA fills the last tiles with zeros
 FLASHLADDER_EXPORT int flashladder_seqlen_multiple_k() { return 1; }
 FLASHLADDER_EXPORT int flashladder_tile_q() { return BLOCK_M; }  // the tiles (for tests and tools)
