@@ -57,9 +57,9 @@ def install_torch(session) -> None:
             session.log(f"torch: the CPU build from {TORCH_CPU_INDEX} (about 190 MB)")
             session.install("--index-url", TORCH_CPU_INDEX, TORCH_CI)
             return
-        session.warn(f"{TORCH_CPU_INDEX} is out of reach: torch comes from PyPI, which on Linux is a CUDA build (about "
-                     f"3 GB of wheels, 5 GB installed). To choose, set ${TORCH_INDEX_ENV} to an index, or run "
-                     "`nox --no-venv -s tests` in an environment that has torch")
+        session.warn(f"{TORCH_CPU_INDEX} is out of reach: {TORCH_CI} comes from the indexes pip is configured with; "
+                     "PyPI's is a CUDA build on Linux (about 3 GB of wheels, 5 GB installed). To choose, set "
+                     f"${TORCH_INDEX_ENV} to an index, or run `nox --no-venv -s tests` in an environment that has torch")
     session.install(TORCH_CI)  # elsewhere (macOS, Windows) PyPI's torch is a CPU build
 
 
