@@ -1,7 +1,8 @@
 """nox sessions. `nox -s verify` is the main job (on a GPU machine); `nox -s tests` is CI's test command.
 
-`tests` installs requirements-verify.txt, the one list of what verify and its tests need, and
-requirements-capstone.txt, the capstone's and the prefill's optional one (diffusers, transformers, ...), into a fresh venv.
+`tests` installs torch (a CPU build where one can be had: install_torch), requirements-verify.txt, the one list of what
+verify and its tests need, and requirements-capstone.txt, the capstone's and the prefill's optional one (diffusers,
+transformers, ...), into a fresh venv.
 `verify`, `capstone` and `prefill` make no venv: they run in the Python that has the CUDA torch (see cuda_torch_python).
 `nox --no-venv -s <session>` runs in the current environment and installs nothing.
 """
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.request
 
 import nox
 
@@ -17,6 +19,48 @@ nox.options.sessions = ["tests"]
 REQUIREMENTS = ("-r", "requirements-verify.txt")
 CAPSTONE_REQUIREMENTS = ("-r", "requirements-capstone.txt")  # optional: verify.capstone, verify.prefill and their CPU tests
 TORCH_CI = "torch==2.13.0"  # CI's pin: its machine has this (CPU) wheel on disk
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's index of CPU builds (and of torch's dependencies)
+TORCH_INDEX_ENV = "FLASHLADDER_TORCH_INDEX"  # the index torch comes from instead, e.g. https://pypi.org/simple
+
+
+def reachable(url: str, timeout: float = 10.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status == 200
+    except Exception:  # no network, no DNS, a proxy's refusal: out of reach, whatever the reason
+        return False
+
+
+def install_torch(session) -> None:
+    """torch==2.13.0 into the session's venv, a CPU build where one can be had, and say where it came from.
+
+    The tests need no GPU, and on Linux PyPI's torch is a CUDA build (about 3 GB of wheels, 5 GB installed); a CPU
+    build is about 190 MB. So, in order: the index in $FLASHLADDER_TORCH_INDEX (the user's choice); a wheel that pip
+    finds on this machine without any index (its --find-links: CI's machine has the CPU wheel on disk); PyTorch's CPU
+    index; PyPI, saying what it downloads. torch's dependencies come with the requirements after it."""
+    index = os.environ.get(TORCH_INDEX_ENV)
+    if index:
+        session.log(f"torch from {index} (${TORCH_INDEX_ENV})")
+        session.install("--index-url", index, TORCH_CI)
+        return
+    if session.venv_backend in ("virtualenv", "venv"):  # a pip of its own, to ask without downloading anything
+        python = os.path.join(session.bin, "python")
+        local = subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", TORCH_CI],
+                               capture_output=True, text=True)
+        if local.returncode == 0:
+            version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+                                     capture_output=True, text=True).stdout.strip()
+            session.log(f"torch {version}: a wheel on this machine (pip's --find-links), nothing downloaded")
+            return
+    if sys.platform.startswith("linux"):
+        if reachable(f"{TORCH_CPU_INDEX}/torch/"):
+            session.log(f"torch: the CPU build from {TORCH_CPU_INDEX} (about 190 MB)")
+            session.install("--index-url", TORCH_CPU_INDEX, TORCH_CI)
+            return
+        session.warn(f"{TORCH_CPU_INDEX} is out of reach: {TORCH_CI} comes from the indexes pip is configured with; "
+                     "PyPI's is a CUDA build on Linux (about 3 GB of wheels, 5 GB installed). To choose, set "
+                     f"${TORCH_INDEX_ENV} to an index, or run `nox --no-venv -s tests` in an environment that has torch")
+    session.install(TORCH_CI)  # elsewhere (macOS, Windows) PyPI's torch is a CPU build
 
 
 @nox.session
@@ -24,7 +68,8 @@ def tests(session):
     """CPU-safe test suite: numerics model, every step compiled with nvcc, packaging, bad-input errors, the SDPA drop-in,
     the capstone's and the prefill's parts on tiny models; GPU checks skip."""
     if session.venv_backend != "none":
-        session.install(TORCH_CI, *REQUIREMENTS, *CAPSTONE_REQUIREMENTS)
+        install_torch(session)
+        session.install(*REQUIREMENTS, *CAPSTONE_REQUIREMENTS)
     session.run("python", "-m", "pytest", *session.posargs)
 
 
@@ -93,13 +138,23 @@ def build(session):
 def install_steps(session):
     """pip install every step package the way a user does (build isolation on), then import each."""
     if session.venv_backend != "none":
-        session.install(TORCH_CI)  # the steps' torch: CI's pin, not the CUDA torch that pip would choose
+        install_torch(session)  # the steps' torch: CI's pin, a CPU build, not the CUDA torch that pip would choose
     for step in sorted(glob.glob("steps/step[0-9][0-9]")):
         session.install(step)
         name = step.rsplit("/", 1)[-1]
         # torch's warning without numpy made an error: the step's own dependencies must bring numpy
         session.run("python", "-W", "error:Failed to initialize NumPy", "-c", f"import flashladder.{name} as m; "
                     "print(m.__name__, m.info['seqlen_multiple_q'], m.info['seqlen_multiple_k'])")
+
+
+@nox.session
+def sdist(session):
+    """A step's sdist, which carries kernel.cu and what it takes from common/ and builds on its own:
+    `nox -s sdist -- steps/step14` writes steps/step14/dist/flashladder_step14-<version>.tar.gz (default: every step)."""
+    session.install("build")
+    for step in session.posargs or sorted(glob.glob("steps/step[0-9][0-9]")):
+        # pyproject-build, the command of the `build` package: `python -m build` here would import the build/ folder
+        session.run("pyproject-build", "--sdist", "--outdir", os.path.join(step, "dist"), step)
 
 
 @nox.session
