@@ -89,7 +89,7 @@ def arch_number(code: str) -> int:
 # The one source of truth for where a step runs. A kernel.cu names its row with FLASHLADDER_TARGETS(<name>);.
 TARGETS = {t.name: t for t in (
     # wgmma, TMA, setmaxnreg: instructions of sm_90a, the "a" (architecture-specific) target, whose SASS runs on
-    # sm_90 GPUs (H100, H200) alone; no PTX, since no other GPU could run it. Steps 08-16, and the default.
+    # sm_90 GPUs (H100, H200) alone; no PTX, since no other GPU could run it. The steps from step08 on, and the default.
     Targets("sm90a_only", (("compute_90a", ("sm_90a",)),)),
     # mma.sync, ldmatrix, cp.async: PTX of sm_80, which every GPU since Ampere runs. One compute_80 PTX is compiled
     # ahead into the SASS of A100 (sm_80), RTX 30xx (sm_86), RTX 40xx / L4 / L40 (sm_89), RTX 50xx (sm_120), and
@@ -302,6 +302,20 @@ def _demangle(name: str) -> str:
     return re.sub(r"\(anonymous namespace\)::", "", out).split("(")[0]
 
 
+def editable_install() -> bool:
+    """Whether setup.py runs under one of PEP 660's hooks (pip install -e); pip calls the first before it resolves
+    the step's dependencies, so a refusal here comes before any download."""
+    import inspect
+    return any(f.function in ("get_requires_for_build_editable", "prepare_metadata_for_build_editable", "build_editable")
+               for f in inspect.stack())
+
+
+def editable_refusal(name: str) -> str:
+    return (f"flashladder-{name} cannot be installed in editable mode (pip install -e): its _kernel.so is compiled from "
+            f"kernel.cu at install time. Use `pip install steps/{name}` (again after each edit), or `python -m verify`, "
+            "which rebuilds what changed.")
+
+
 def setup_step(step_dir: str | Path) -> None:
     """setuptools entry point for steps/stepNN/setup.py: the wheel holds the built package."""
     from setuptools import Distribution, setup
@@ -313,6 +327,8 @@ def setup_step(step_dir: str | Path) -> None:
 
     step_dir = Path(step_dir).resolve()
     name = step_name(step_dir)
+    if editable_install():  # before pip resolves the step's dependencies (torch: gigabytes) only to refuse them
+        sys.exit(editable_refusal(name))
 
     class BuildWithNvcc(build_py):
         def run(self):
@@ -333,9 +349,7 @@ def setup_step(step_dir: str | Path) -> None:
 
     class NoEditable(editable_wheel):
         def run(self):  # an editable install would import pkg/, which has no _kernel.so: refuse, saying why
-            raise SetupError(f"flashladder-{name} cannot be installed in editable mode (pip install -e): its _kernel.so "
-                             f"is compiled from kernel.cu at install time. Use `pip install steps/{name}` (again after "
-                             "each edit), or `python -m verify`, which rebuilds what changed.")
+            raise SetupError(editable_refusal(name))
 
     class SdistThatBuilds(sdist):
         """The sdist carries kernel.cu and what the build takes from common/, so it builds on its own."""

@@ -564,8 +564,14 @@ def check_header(where: str, text: str, root: Path = ROOT, unread: list[str] | N
     return problems, checked
 
 
+GENERATED = re.compile(r"<!-- (\w+):begin \(generated.*?<!-- \1:end -->", re.S)
+
+
 def check_notes(where: str, text: str, root: Path = ROOT, unread: list[str] | None = None) -> tuple[list[str], int]:
-    """Problems of a Markdown file's paragraphs, list items, table rows and headings, and how many of them cite."""
+    """Problems of a Markdown file's paragraphs, list items, table rows and headings, and how many of them cite. A
+    section between a generator's markers (`<!-- name:begin (generated ... -->` ... `<!-- name:end -->`) is left out:
+    test_readme.py checks that it is what its generator makes of the run it names."""
+    text = GENERATED.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # blank lines keep the line numbers
     problems, checked, unit, heading = [], 0, [], ""
     lines = text.splitlines()
     table_header = None  # the header row of the table being read: it names the columns and holds no figure

@@ -569,7 +569,7 @@ def kernel(opcodes: dict[str, collections.Counter], marker: str) -> collections.
 
 @pytest.mark.parametrize("later", ["step16", "step17", "step18", "step19"])
 def test_the_kernel_of_one_cta_per_cluster_is_step15s(later, cuobjdump):
-    """Steps 16-19 change the paired kernel alone (their headers say so): attention_fwd_kernel<false> compiles to
+    """Steps 16, 17, 18 and 19 change the paired kernel alone (their headers say so): attention_fwd_kernel<false> compiles to
     step15's kernel, opcode for opcode (ptxas schedules and allocates registers its own way: the order and the registers
     may differ, the counts of each opcode by at most the few moves it needs), and <true> is another code."""
     ops = kernel_opcodes(cuobjdump, ("step15", later))
