@@ -248,7 +248,7 @@ def _smem_optin_from_the_driver(index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_props(index: int) -> Device:
+def device_props(index: int) -> Device:
     """The GPU `index` as the checks see it (tests replace this function to play other GPUs)."""
     props = torch.cuda.get_device_properties(index)
     optin = getattr(props, "shared_memory_per_block_optin", None)
@@ -321,7 +321,7 @@ def check_launch(step: str, tensors: dict, archs: list, smem_bytes: Optional[int
     """What only real tensors on a real GPU can tell: the GPU (check_device) and the pointers' alignment."""
     q = tensors["q"]
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    check_device(step, archs, smem_bytes, _device_props(index), f"cuda:{index}")
+    check_device(step, archs, smem_bytes, device_props(index), f"cuda:{index}")
     for tname, t in tensors.items():
         if t.data_ptr() % ALIGN[tname] != 0:
             raise ValueError(f"flashladder.{step}: {tname}'s data pointer is not {ALIGN[tname]}-byte aligned "
@@ -530,7 +530,7 @@ def route_reason(call: Optional[dict], limits: SdpaLimits, grad_enabled: bool) -
         check_inputs(limits.step, limits.seqlen_multiple, *stand_ins, devices=("meta",), features=limits.features)
         if q.device.type == "cuda" and limits.archs is not None:  # the GPU: the library has code for it, and the memory
             index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-            check_device(limits.step, list(limits.archs), limits.smem_bytes, _device_props(index), f"cuda:{index}")
+            check_device(limits.step, list(limits.archs), limits.smem_bytes, device_props(index), f"cuda:{index}")
     except (TypeError, ValueError, RuntimeError) as e:
         return _reason(e, limits.step)
     return None

@@ -122,16 +122,16 @@ def test_device_props_read_the_shared_memory_from_the_driver_where_torch_does_no
     old_torch = types.SimpleNamespace(name="NVIDIA GeForce RTX 4090", major=8, minor=9)
     monkeypatch.setattr(binding.torch.cuda, "get_device_properties", lambda index: old_torch)
     monkeypatch.setattr(binding.ctypes, "CDLL", lambda name: FakeLibcuda())
-    binding._device_props.cache_clear()
+    binding.device_props.cache_clear()
     try:
-        assert binding._device_props(1) == binding.Device("NVIDIA GeForce RTX 4090", 8, 9, 101376)
+        assert binding.device_props(1) == binding.Device("NVIDIA GeForce RTX 4090", 8, 9, 101376)
         assert asked == [(97, 11)]
         new_torch = types.SimpleNamespace(**vars(old_torch), shared_memory_per_block_optin=232448)
         monkeypatch.setattr(binding.torch.cuda, "get_device_properties", lambda index: new_torch)
-        binding._device_props.cache_clear()
-        assert binding._device_props(0).smem_per_block_optin == 232448 and len(asked) == 1
+        binding.device_props.cache_clear()
+        assert binding.device_props(0).smem_per_block_optin == 232448 and len(asked) == 1
     finally:
-        binding._device_props.cache_clear()
+        binding.device_props.cache_clear()
 
 
 PORTABLE = ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_120", "compute_80"]  # steps 01-07's targets

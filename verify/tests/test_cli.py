@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from verify import __main__ as verify_main
+from verify import machine, runner
 from verify import steps as steps_mod
 from verify.tests.conftest import has_cuda_gpu, needs_gpu
 
@@ -133,11 +134,11 @@ def test_check_steps_a_hung_step_is_killed_and_the_next_step_runs(tmp_path, monk
     """))
     limit, lines = 20, []  # the passing step must start pytest within it on a machine busy with other checks
     t0 = time.monotonic()
-    verdicts = verify_main.check_steps(["step41", "step42", "step43"], limit, tests=tests, log=lines.append)
+    verdicts = runner.check_steps(["step41", "step42", "step43"], limit, tests=tests, log=lines.append)
     elapsed = time.monotonic() - t0
     log = "\n".join(lines)
     assert verdicts["step41"] == "FAILED", log
-    assert verdicts["step42"] == verify_main.verdict(None, limit), log
+    assert verdicts["step42"] == runner.verdict(None, limit), log
     assert verdicts["step42"].startswith(f"FAILED (timed out after {limit} s"), log
     assert verdicts["step43"] == "passed", log
     assert elapsed < limit + 60, f"the hung step was not stopped at its {limit} s limit: {elapsed:.0f} s in all"
@@ -149,11 +150,11 @@ def test_check_steps_a_hung_step_is_killed_and_the_next_step_runs(tmp_path, monk
 
 
 def test_verdicts_of_exit_codes():
-    assert verify_main.verdict(0, 1) == "passed"
-    assert verify_main.verdict(1, 1) == "FAILED"
+    assert runner.verdict(0, 1) == "passed"
+    assert runner.verdict(1, 1) == "FAILED"
     for rc in (None, 2, 3, 4, -9):
-        assert verify_main.verdict(rc, 1).startswith("FAILED ("), rc
-    assert verify_main.verdict(5, 1).startswith("not run")
+        assert runner.verdict(rc, 1).startswith("FAILED ("), rc
+    assert runner.verdict(5, 1).startswith("not run")
 
 
 @pytest.mark.parametrize("outcome", ["pass", "fail"])
@@ -212,7 +213,7 @@ def test_a_hung_kernel_fails_its_check_in_time(hang_so, tmp_path):
     """))
     limit, lines = 15, []
     t0 = time.monotonic()
-    verdicts = verify_main.check_steps(["step42"], limit, tests=tmp_path, log=lines.append)
+    verdicts = runner.check_steps(["step42"], limit, tests=tmp_path, log=lines.append)
     elapsed = time.monotonic() - t0
     assert verdicts["step42"].startswith("FAILED (timed out"), "\n".join(lines)
     assert elapsed < limit + 60, f"{elapsed:.0f} s for a {limit} s limit"
@@ -420,7 +421,7 @@ def test_the_steps_this_gpu_cannot_run_are_named_with_why(built):
                                           ("NVIDIA A100-SXM4-80GB", "a100-sxm4-80gb"), ("NVIDIA RTX 6000 Ada Generation",
                                                                                       "rtx-6000-ada-generation")])
 def test_results_go_to_a_folder_named_after_the_gpu(name, folder):
-    assert verify_main.results_folder(name) == folder
+    assert machine.results_folder(name) == folder
 
 
 def test_the_build_line_says_what_each_group_of_steps_is_built_for():

@@ -285,7 +285,7 @@ H200 = ("NVIDIA H200", 9, 0, 227 * 1024)
 def fake_gpu(mod, monkeypatch, name, major, minor, smem_per_block_optin):
     """Replace the binding's device-properties function (its only source for the GPU's properties)."""
     device = mod._binding.Device(name, major, minor, smem_per_block_optin)
-    monkeypatch.setattr(mod._binding, "_device_props", lambda index: device)
+    monkeypatch.setattr(mod._binding, "device_props", lambda index: device)
     return device
 
 
@@ -300,7 +300,7 @@ def call_on_cpu_past_the_metadata_checks(mod, monkeypatch):
 def check_gpu(mod):
     """The check the launch makes, alone: the step's architectures and shared memory against the (faked) GPU."""
     info = mod.info
-    mod._binding.check_device(info["step"], info["archs"], info["smem_bytes"], mod._binding._device_props(0), "cuda:0")
+    mod._binding.check_device(info["step"], info["archs"], info["smem_bytes"], mod._binding.device_props(0), "cuda:0")
 
 
 def portable(mod) -> bool:
