@@ -7,7 +7,7 @@ attention_reference_of puts the three together, a block of query rows at a time.
 """
 import numpy as np
 
-# The diagonal's corners (common/binding.py's CAUSAL): row i sees key j iff j <= i + offset.
+# The diagonal's corners (common/binding/abi.py's CAUSAL): row i sees key j iff j <= i + offset.
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 # Rows of a block in attention_reference_of: at most this many scores at a time (16M float64: 128 MiB a copy).
 CHUNK_SCORES = 2**24
