@@ -150,10 +150,15 @@ def run(args) -> int:
             f"{args.check_jobs} at a time; random inputs from FLASHLADDER_SEED={run_seed()}")
         with ThreadPoolExecutor(max_workers=1) as side:  # the step-free tests run beside the steps' checks
             # (not with --ptx-jit: they test no step's build)
+            skips = runner.Skips()  # each reason said once, after all of them
             others_future = None if steps_mod.ptx_jit() else side.submit(
-                runner.check_others, steps, runner.OTHERS_TIMEOUT_FACTOR * args.check_timeout, junit_dir, tests, log, False)
-            checks |= runner.check_steps(runnable, args.check_timeout, junit_dir, tests, jobs=args.check_jobs)
+                runner.check_others, steps, runner.OTHERS_TIMEOUT_FACTOR * args.check_timeout, junit_dir, tests, log, False,
+                skips)
+            checks |= runner.check_steps(runnable, args.check_timeout, junit_dir, tests, jobs=args.check_jobs, skips=skips,
+                                         times=runner.times_file() if tests == runner.TESTS.resolve() else None)
             others = others_future.result() if others_future else "not run (--ptx-jit)"
+        for line in skips.lines():
+            log(line)
         log("  " + ", ".join(f"{s} {v}" for s, v in checks.items()) + f"; other tests {others}")
     failed = [s for s, v in checks.items() if v.startswith("FAILED")]
     code = 1 if failed or others.startswith("FAILED") else 0

@@ -157,6 +157,68 @@ def test_verdicts_of_exit_codes():
     assert runner.verdict(5, 1).startswith("not run")
 
 
+def test_a_skip_reason_is_said_once_for_every_step_that_gives_it(tmp_path):
+    """Steps that skip tests for one reason (no GPU here) get one line for it, not one each; a reason that names its
+    step counts for each step that gives it; a step that passed shows its verdict alone, one that failed its output."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_fake.py").write_text(textwrap.dedent("""
+        import pytest
+
+        STEPS = ["step41", "step42", "step43"]
+
+        @pytest.mark.parametrize("step", STEPS)
+        @pytest.mark.parametrize("shape", [1, 2])
+        def test_kernel(step, shape):
+            pytest.skip("no CUDA GPU on this machine")
+
+        @pytest.mark.parametrize("step", STEPS)
+        def test_tiling(step):
+            if step != "step43":
+                pytest.skip(f"{step} has one tiling")
+
+        @pytest.mark.parametrize("step", STEPS)
+        def test_result(step):
+            assert step != "step42", "a wrong result"
+    """))
+    lines = []
+    verdicts = runner.check_steps(["step41", "step42", "step43"], 120, tests=tests, log=lines.append, jobs=2)
+    log = "\n".join(lines).splitlines()
+    assert verdicts == {"step41": "passed", "step42": "FAILED", "step43": "passed"}, log
+    assert [ln for ln in log if "no CUDA GPU" in ln] == ["  skipped 6 tests (steps 41-43): no CUDA GPU on this machine"], log
+    assert [ln for ln in log if "one tiling" in ln] == ["  skipped 2 tests (steps 41-42): the step has one tiling"], log
+    assert not [ln for ln in log if ln.startswith("SKIPPED")], log
+    assert any("a wrong result" in ln for ln in log), "the failed step's output is not shown"
+    for step in ("step41", "step43"):
+        assert [ln for ln in log if step in ln and not ln.startswith("-- ")] == [], f"{step} passed: its verdict alone"
+    ends = [ln for ln in log if ln.startswith("-- step4") and "pytest -k" not in ln]
+    assert len(ends) == 3 and ends[-1].endswith("[3 of 3 steps checked]"), ends
+    assert any("of 3 steps checked, about" in ln for ln in ends[:2]), ends  # an estimate once a step has ended
+
+
+def test_the_estimate_of_what_remains(tmp_path):
+    """The steps still waiting, dealt to the free processes; each step expected to take its time of the last run, or
+    without one the mean of the steps done so far."""
+    now = [0.0]
+    p = runner.Progress(["step01", "step02", "step03", "step04", "step05"], jobs=2, clock=lambda: now[0])
+    p.start("step01")
+    p.start("step02")
+    assert p.left_s() is None and p.words() == "0 of 5 steps checked"  # nothing tells yet
+    now[0] = 60.0
+    p.finish("step01")
+    p.start("step03")
+    now[0] = 80.0
+    # step02 and step03: 60 s each, 80 and 20 s in; step04 on the first free process (at 0 s), step05 on the next (40 s)
+    assert p.left_s() == pytest.approx(100.0) and p.words() == "1 of 5 steps checked, about 2 min left"
+    last = runner.Progress(["step01", "step02"], jobs=1, last={"step01": 30.0, "step02": 600.0}, clock=lambda: 0.0)
+    assert last.left_s() == pytest.approx(630.0) and last.words() == "0 of 2 steps checked, about 10 min left"
+    times = tmp_path / "times.json"
+    runner.save_times({"step01": 12.34}, times)
+    runner.save_times({"step02": 5.0}, times)
+    assert runner.load_times(times) == {"step01": 12.3, "step02": 5.0}
+    assert runner.load_times(tmp_path / "none.json") == {}
+
+
 @pytest.mark.parametrize("outcome", ["pass", "fail"])
 def test_verify_writes_to_out(tmp_path, outcome):
     """--out DIR gets verify.log and the junit XML of every check process; a failed step gives exit code 1."""
@@ -182,6 +244,8 @@ def test_verify_writes_to_out(tmp_path, outcome):
     for name, n_tests in ((step, 1), ("others", 1)):
         xml = (out / "checks" / f"{name}.xml").read_text()
         assert f'tests="{n_tests}"' in xml, xml
+        transcript = (out / "checks" / f"{name}.txt").read_text()  # pytest's whole output, whatever the log showed
+        assert ("1 passed" if outcome == "pass" or name == "others" else "1 failed") in transcript, transcript
 
 
 @pytest.fixture(scope="session")
