@@ -144,7 +144,7 @@ def run(args) -> int:
         log(f"{PROG}: no selected step runs on this GPU")
     elif not args.no_checks:
         shown = tests.relative_to(ROOT) if tests.is_relative_to(ROOT) else tests
-        from verify.checks import run_seed  # one seed for every step's process: the float64 references are shared
+        from verify.checks import run_seed  # one seed for every step's process: the same inputs, replayed by it
         jit = " (their PTX alone, compiled by the driver at load: FLASHLADDER_PTX_JIT=1)" if steps_mod.ptx_jit() else ""
         log(f"{stage['checks']} checking {len(runnable)} step(s){jit} ({shown}), each in a process of its own, "
             f"{args.check_jobs} at a time; random inputs from FLASHLADDER_SEED={run_seed()}")
