@@ -204,9 +204,23 @@ def save_times(took: dict[str, float], path: Path) -> None:
         pass
 
 
+def step_selection(step: str, gpu_only: bool) -> str:
+    """pytest -k of a step's process: the tests whose id names the step; with gpu_only, those of them that need the GPU
+    (conftest.py gives them the keyword on_gpu), its kernel checks."""
+    return f"{step} and on_gpu" if gpu_only else step
+
+
+def others_selection(steps: list[str], gpu_only: bool) -> str:
+    """pytest -k of the process beside the steps': every test the steps' processes do not run."""
+    if gpu_only:
+        return f"not (on_gpu and ({' or '.join(steps)}))"
+    return " and ".join(f"not {s}" for s in steps)
+
+
 def check_steps(steps: list[str], timeout: float, junit_dir: Path | None = None, tests: Path = TESTS, log=log,
-                jobs: int = 1, skips: Skips | None = None, times: Path | None = None) -> dict:
-    """Each step's checks (the tests whose id names it) in a process of their own, `jobs` processes at a time. Each
+                jobs: int = 1, skips: Skips | None = None, times: Path | None = None, gpu_only: bool = False) -> dict:
+    """Each step's checks (the tests whose id names it; gpu_only: those of them that need the GPU, its kernel checks,
+    the others running beside: check_others) in a process of their own, `jobs` processes at a time. Each
     step's end is logged with its verdict, how many steps are done and about how long the rest takes (from `times`, a
     file of the last run's seconds per step, which this run's then update; and from the steps done so far); the
     output of a step that failed is logged after it (jobs=1: every line as it comes). The skip reasons are said once
@@ -219,11 +233,12 @@ def check_steps(steps: list[str], timeout: float, junit_dir: Path | None = None,
         log(f"  the last run's times here: about {minutes(left)} for these checks, {max(1, jobs)} at a time")
 
     def one(step):
-        log(f"-- {step}: pytest -k {step} (time limit {timeout:g} s)")
+        log(f"-- {step}: pytest -k '{step_selection(step, gpu_only)}' (time limit {timeout:g} s)")
         progress.start(step)
         env = {**os.environ, "FLASHLADDER_STEPS": step}
-        verdict_, lines = run_pytest([str(tests), "-k", step], env, timeout, junit_dir / f"{step}.xml" if junit_dir else None,
-                                     log=log, stream=jobs == 1, transcript=junit_dir / f"{step}.txt" if junit_dir else None)
+        verdict_, lines = run_pytest([str(tests), "-k", step_selection(step, gpu_only)], env, timeout,
+                                     junit_dir / f"{step}.xml" if junit_dir else None, log=log, stream=jobs == 1,
+                                     transcript=junit_dir / f"{step}.txt" if junit_dir else None)
         seconds = progress.finish(step)
         skips.add(step, lines)
         log("\n".join([*(shown(verdict_, lines) if jobs != 1 else []),
@@ -241,13 +256,14 @@ def check_steps(steps: list[str], timeout: float, junit_dir: Path | None = None,
 
 
 def check_others(steps: list[str], timeout: float, junit_dir: Path | None = None, tests: Path = TESTS, log=log,
-                 stream: bool = True, skips: Skips | None = None) -> str:
-    """The tests that concern no single step (model, CLI, README, figures), once, in a process of their own. Its skip
-    reasons go to `skips` (without it: are logged after it)."""
+                 stream: bool = True, skips: Skips | None = None, gpu_only: bool = False) -> str:
+    """The tests that concern no single step (model, CLI, README, figures), and with gpu_only the tests of every step
+    that need no GPU (its build, SASS, trace points, bad input), once, in a process of their own. Its skip reasons go to
+    `skips` (without it: are logged after it)."""
     log(f"-- other tests (time limit {timeout:g} s)")
     env = {**os.environ, "FLASHLADDER_STEPS": ",".join(steps)}
     t0 = time.monotonic()
-    outcome, lines = run_pytest([str(tests), "-k", " and ".join(f"not {s}" for s in steps)], env, timeout,
+    outcome, lines = run_pytest([str(tests), "-k", others_selection(steps, gpu_only)], env, timeout,
                                 junit_dir / "others.xml" if junit_dir else None, log=log, stream=stream,
                                 transcript=junit_dir / "others.txt" if junit_dir else None)
     own = Skips() if skips is None else skips

@@ -196,6 +196,30 @@ def test_a_skip_reason_is_said_once_for_every_step_that_gives_it(tmp_path):
     assert any("of 3 steps checked, about" in ln for ln in ends[:2]), ends  # an estimate once a step has ended
 
 
+def collected(selection: str, steps: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", str(runner.TESTS), "--collect-only", "-q", "-p", "no:cacheprovider",
+                          *(["-k", selection] if selection else [])], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "FLASHLADDER_STEPS": steps}, timeout=600)
+    assert out.returncode in (0, 5), out.stdout + out.stderr
+    return {ln for ln in out.stdout.splitlines() if "::" in ln}
+
+
+def test_the_steps_processes_and_the_one_beside_them_run_every_test_once():
+    """python -m verify on verify/tests: each step's process takes the step's tests that need the GPU (conftest.py's
+    on_gpu keyword), the process beside them everything else; together every test, each once."""
+    steps = steps_mod.all_steps()[:2]
+    every = collected("", ",".join(steps))
+    parts = {s: collected(runner.step_selection(s, gpu_only=True), ",".join(steps)) for s in steps}
+    parts["others"] = collected(runner.others_selection(steps, gpu_only=True), ",".join(steps))
+    assert set.union(*parts.values()) == every, sorted(every - set.union(*parts.values()))[:5]
+    assert sum(map(len, parts.values())) == len(every), "a test runs in two processes"
+    for s in steps:
+        assert parts[s] and all(s in t for t in parts[s]), sorted(parts[s])[:5]
+        assert any(t.startswith("verify/tests/test_steps_gpu.py::") for t in parts[s])
+        assert any(t.startswith("verify/tests/test_errors.py::") and f"[{s}" in t for t in parts["others"]), \
+            f"{s}'s tests that need no GPU (bad input) should run beside, once"
+
+
 def test_the_estimate_of_what_remains(tmp_path):
     """The steps still waiting, dealt to the free processes; each step expected to take its time of the last run, or
     without one the mean of the steps done so far."""
