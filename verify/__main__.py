@@ -12,8 +12,9 @@ Runs without nox (the GPU machine has no network). What it lacks here (torch, th
 it says first, in one line, before building anything. The kernel checks of each step run in a process of their
 own with a time limit (--check-timeout): a kernel that hangs (a wrong mbarrier phase never completes) fails its
 step, the process is killed, and the run goes on with the next step; a step that failed is not benchmarked. The
-tests that need no GPU (every step's build, SASS, trace points and bad input; the step-free tests) run once, in one
-process beside them. Each skip reason is said once; each step's end says about how long the rest of the checks take.
+tests that need no GPU (every step's build, SASS, trace points and bad input; the step-free tests) run once, beside
+them, a test file a process. Each skip reason is said once; each step's end says about how long the rest of the
+checks take.
 A step that the GPU here cannot run (the Hopper steps need an sm_90 GPU; the portable ones, any GPU since sm_80) is
 said so, in one line, and neither checked nor benchmarked.
 Writes results/<gpu>/<timestamp>.json and .png, regenerates the README table after a full run, and prints a
@@ -150,7 +151,7 @@ def run(args) -> int:
         jit = " (their PTX alone, compiled by the driver at load: FLASHLADDER_PTX_JIT=1)" if steps_mod.ptx_jit() else ""
         ours = tests == runner.TESTS.resolve()  # verify/tests: each step's process runs its kernel checks alone
         what = ("each step's kernel checks in a process of its own, the tests that need no GPU (every step's build, SASS, "
-                "trace points, bad input; the step-free tests) in one beside them" if ours and not steps_mod.ptx_jit()
+                "trace points, bad input; the step-free tests) beside them, a test file a process" if ours and not steps_mod.ptx_jit()
                 else "each in a process of its own")
         log(f"{stage['checks']} checking {len(runnable)} step(s){jit} ({shown}), {what}, {args.check_jobs} at a time; "
             f"random inputs from FLASHLADDER_SEED={run_seed()}")
@@ -159,7 +160,7 @@ def run(args) -> int:
             skips = runner.Skips()  # each reason said once, after all of them
             others_future = None if steps_mod.ptx_jit() else side.submit(
                 runner.check_others, steps, runner.OTHERS_TIMEOUT_FACTOR * args.check_timeout, junit_dir, tests, log, False,
-                skips, gpu_only=ours)
+                skips, gpu_only=ours, jobs=runner.others_jobs() if ours else 1)
             checks |= runner.check_steps(runnable, args.check_timeout, junit_dir, tests, jobs=args.check_jobs, skips=skips,
                                          times=runner.times_file() if ours else None, gpu_only=ours)
             others = others_future.result() if others_future else "not run (--ptx-jit)"

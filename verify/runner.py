@@ -245,8 +245,11 @@ def check_steps(steps: list[str], timeout: float, junit_dir: Path | None = None,
                        f"-- {step}: {verdict_} ({seconds:.0f} s; {last_line(lines)}) [{progress.words()}]"]))
         return step, verdict_
 
+    # The longest first where the last run's times say which (the last to start then is a short one); else in order.
+    order = sorted(steps, key=lambda s: -progress.last[s]) if all(s in progress.last for s in steps) else steps
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        verdicts = dict(pool.map(one, steps))
+        verdicts = dict(pool.map(one, order))
+    verdicts = {s: verdicts[s] for s in steps}
     if times:
         save_times({s: progress.took[s] for s, v in verdicts.items() if v == "passed"}, times)
     if own_skips:
@@ -255,20 +258,51 @@ def check_steps(steps: list[str], timeout: float, junit_dir: Path | None = None,
     return verdicts
 
 
+def others_jobs() -> int:
+    """Processes for the tests beside the steps' (a test file each): a quarter of the CPUs (4 on a 16-core GPU host), the
+    rest left to the steps' processes and to the nvcc builds some of these tests make."""
+    return max(1, (os.cpu_count() or 1) // 4)
+
+
 def check_others(steps: list[str], timeout: float, junit_dir: Path | None = None, tests: Path = TESTS, log=log,
-                 stream: bool = True, skips: Skips | None = None, gpu_only: bool = False) -> str:
+                 stream: bool = True, skips: Skips | None = None, gpu_only: bool = False, jobs: int = 1) -> str:
     """The tests that concern no single step (model, CLI, README, figures), and with gpu_only the tests of every step
-    that need no GPU (its build, SASS, trace points, bad input), once, in a process of their own. Its skip reasons go to
-    `skips` (without it: are logged after it)."""
-    log(f"-- other tests (time limit {timeout:g} s)")
+    that need no GPU (its build, SASS, trace points, bad input), once: in one process, or with jobs > 1 one process per
+    test file, `jobs` at a time (their verdicts said as one; the output of one that failed logged after it). Their skip
+    reasons go to `skips` (without it: are logged after them)."""
+    files = sorted(tests.glob("test_*.py")) if jobs > 1 and tests.is_dir() else []
+    groups = {f"others-{f.stem}": f for f in files} or {"others": tests}
+    log(f"-- other tests (time limit {timeout:g} s" + (f" a file, {len(groups)} files, {jobs} at a time)" if files else ")"))
     env = {**os.environ, "FLASHLADDER_STEPS": ",".join(steps)}
     t0 = time.monotonic()
-    outcome, lines = run_pytest([str(tests), "-k", others_selection(steps, gpu_only)], env, timeout,
-                                junit_dir / "others.xml" if junit_dir else None, log=log, stream=stream,
-                                transcript=junit_dir / "others.txt" if junit_dir else None)
     own = Skips() if skips is None else skips
-    own.add("other tests", lines)
-    log("\n".join([*(shown(outcome, lines) if not stream else []),
-                   f"-- other tests: {outcome} ({time.monotonic() - t0:.0f} s; {last_line(lines)})",
+
+    def one(item):
+        name, path = item
+        outcome, lines = run_pytest([str(path), "-k", others_selection(steps, gpu_only)], env, timeout,
+                                    junit_dir / f"{name}.xml" if junit_dir else None, log=log, stream=stream and not files,
+                                    transcript=junit_dir / f"{name}.txt" if junit_dir else None)
+        own.add("other tests", lines)
+        if files and outcome.startswith("FAILED"):
+            log("\n".join([*shown(outcome, lines), f"-- other tests, {path.name}: {outcome} ({last_line(lines)})"]))
+        return outcome, lines
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(one, groups.items()))
+    outcomes = [o for o, _ in results if not o.startswith("not run")] or [results[0][0]]
+    outcome = next((o for o in outcomes if o.startswith("FAILED")), outcomes[0])
+    summary = last_line(results[0][1]) if not files else counts_in_words(last_line(lines) for _, lines in results)
+    log("\n".join([*(shown(outcome, results[0][1]) if not stream and not files else []),
+                   f"-- other tests: {outcome} ({time.monotonic() - t0:.0f} s; {summary})",
                    *(own.lines() if skips is None else [])]))
     return outcome
+
+
+def counts_in_words(last_lines) -> str:
+    """pytest's last lines of several processes as one: '1021 passed, 230 skipped, 2 failed' (summed)."""
+    total: dict[str, int] = {}
+    for line in last_lines:
+        for n, what in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)\b", line):
+            what = "errors" if what.startswith("error") else what
+            total[what] = total.get(what, 0) + int(n)
+    return ", ".join(f"{n} {what}" for what, n in total.items()) or "no tests"

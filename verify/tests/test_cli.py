@@ -196,8 +196,13 @@ def test_a_skip_reason_is_said_once_for_every_step_that_gives_it(tmp_path):
     assert any("of 3 steps checked, about" in ln for ln in ends[:2]), ends  # an estimate once a step has ended
 
 
+# Test files with tests of both kinds, each kind for every step (collecting the whole folder four times takes minutes).
+MIXED = ["test_steps_gpu.py", "test_errors.py", "test_sdpa_router.py"]
+
+
 def collected(selection: str, steps: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-m", "pytest", str(runner.TESTS), "--collect-only", "-q", "-p", "no:cacheprovider",
+    out = subprocess.run([sys.executable, "-m", "pytest", *(str(runner.TESTS / f) for f in MIXED), "--collect-only", "-q",
+                          "-p", "no:cacheprovider",
                           *(["-k", selection] if selection else [])], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "FLASHLADDER_STEPS": steps}, timeout=600)
     assert out.returncode in (0, 5), out.stdout + out.stderr
@@ -206,7 +211,7 @@ def collected(selection: str, steps: str) -> set[str]:
 
 def test_the_steps_processes_and_the_one_beside_them_run_every_test_once():
     """python -m verify on verify/tests: each step's process takes the step's tests that need the GPU (conftest.py's
-    on_gpu keyword), the process beside them everything else; together every test, each once."""
+    on_gpu keyword), the processes beside them everything else; together every test, each once (in the files MIXED)."""
     steps = steps_mod.all_steps()[:2]
     every = collected("", ",".join(steps))
     parts = {s: collected(runner.step_selection(s, gpu_only=True), ",".join(steps)) for s in steps}
@@ -218,6 +223,28 @@ def test_the_steps_processes_and_the_one_beside_them_run_every_test_once():
         assert any(t.startswith("verify/tests/test_steps_gpu.py::") for t in parts[s])
         assert any(t.startswith("verify/tests/test_errors.py::") and f"[{s}" in t for t in parts["others"]), \
             f"{s}'s tests that need no GPU (bad input) should run beside, once"
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["pass", "fail"])
+def test_the_other_tests_run_a_file_a_process_side_by_side(tmp_path, fails):
+    """check_others with jobs > 1: each test file in a process of its own; one verdict for all (FAILED if one file
+    failed, its output shown), their counts summed; a file with no test selected is no failure; junit XML per file."""
+    tests, out = tmp_path / "tests", tmp_path / "out"
+    tests.mkdir()
+    out.mkdir()
+    (tests / "test_a.py").write_text("def test_one():\n    pass\n\ndef test_two():\n    pass\n")
+    (tests / "test_b.py").write_text(f"import pytest\n\ndef test_three():\n    assert not {fails}, 'a wrong result'\n\n"
+                                     "def test_four():\n    pytest.skip('nothing to see here')\n")
+    (tests / "test_c.py").write_text("def test_step41_only():\n    pass\n")  # deselected: a step's test
+    lines = []
+    outcome = runner.check_others(["step41"], 120, out, tests, log=lines.append, stream=False, jobs=2)
+    log = "\n".join(lines)
+    assert outcome == ("FAILED" if fails else "passed"), log
+    end = [ln for ln in log.splitlines() if ln.startswith("-- other tests: ")]
+    assert len(end) == 1 and end[0].endswith(f"s; {'2' if fails else '3'} passed{', 1 failed' if fails else ''}, 1 skipped)"), end
+    assert ("a wrong result" in log) == fails and ("-- other tests, test_b.py: FAILED" in log) == fails, log
+    assert "  skipped 1 test (other tests): nothing to see here" in log.splitlines(), log
+    assert {p.name for p in out.glob("*.xml")} == {"others-test_a.xml", "others-test_b.xml", "others-test_c.xml"}
 
 
 def test_the_estimate_of_what_remains(tmp_path):
