@@ -179,7 +179,8 @@ class Progress:
 
 
 def minutes(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+    """'40 s', '3 min'; 'a few seconds' under 5 (a step that runs past its expected time leaves an estimate of 0)."""
+    return "a few seconds" if seconds < 5 else f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def times_file() -> Path:
