@@ -12,7 +12,7 @@ Pure standard library: no torch, no numpy. A built step package is a directory
 
     flashladder/stepNN/
         __init__.py   the step's tiny binding (steps/stepNN/pkg/__init__.py)
-        _binding.py   the shared Python binding (common/binding.py)
+        _binding/     the shared Python binding (common/binding/, a package: abi, checks, router, step)
         _kernel.so    kernel.cu compiled for the step's targets (TARGETS below), plain C ABI (common/flashladder.cuh)
         _ptxas.txt    the `ptxas -v` resource report, one block per architecture: registers, shared memory, spills
         LICENSE       the repository's license (MIT)
@@ -173,8 +173,8 @@ def nvcc_version(nvcc: str) -> tuple[int, int]:
 
 
 def common_files() -> list[Path]:
-    """What a step's build takes from common/: the headers, the binding, this script."""
-    return [*sorted(COMMON.glob("*.cuh")), COMMON / "binding.py", COMMON / "build_step.py"]
+    """What a step's build takes from common/: the headers, the binding's modules, this script."""
+    return [*sorted(COMMON.glob("*.cuh")), *sorted((COMMON / "binding").glob("*.py")), COMMON / "build_step.py"]
 
 
 def _sources(step_dir: Path) -> list[Path]:
@@ -219,7 +219,9 @@ def compile_step(step_dir: Path, pkg_out: Path, force: bool = False, extra_nvcc_
     if not force and so.exists() and report.exists() and stamp.exists() and stamp.read_text() == fp:
         return False
     shutil.copyfile(step_dir / "pkg" / "__init__.py", pkg_out / "__init__.py")
-    shutil.copyfile(COMMON / "binding.py", pkg_out / "_binding.py")
+    (pkg_out / "_binding.py").unlink(missing_ok=True)  # the binding as one module, before it became a package
+    shutil.rmtree(pkg_out / "_binding", ignore_errors=True)
+    shutil.copytree(COMMON / "binding", pkg_out / "_binding", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copyfile(LICENSE, pkg_out / "LICENSE")
     cmd = [nvcc, *flags, f"-I{COMMON}", str(step_dir / "kernel.cu"), "-o", str(so)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -356,7 +358,7 @@ def setup_step(step_dir: str | Path) -> None:
         def make_release_tree(self, base_dir, files):
             super().make_release_tree(base_dir, files)
             extras = {"kernel.cu": step_dir / "kernel.cu", "LICENSE": LICENSE,
-                      **{f"common/{f.name}": f for f in common_files()}}
+                      **{f"common/{f.relative_to(COMMON).as_posix()}": f for f in common_files()}}
             for rel, src in extras.items():
                 dst = Path(base_dir) / rel
                 dst.parent.mkdir(parents=True, exist_ok=True)

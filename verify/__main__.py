@@ -9,163 +9,35 @@
     python -m verify --ptx-jit             # checks of steps 01-07 built as their PTX alone, compiled by the driver
 
 Runs without nox (the GPU machine has no network). What it lacks here (torch, the other requirements, a GPU)
-it says first, in one line, before building anything. The checks of each step run in a process of their own
-with a time limit (--check-timeout): a kernel that hangs (a wrong mbarrier phase never completes) fails its
-step, the process is killed, and the run goes on with the next step; a step that failed is not benchmarked.
-A step that the GPU here cannot run (steps 08-16 need an sm_90 GPU; steps 01-07 run on any GPU since sm_80) is
+it says first, in one line, before building anything. The kernel checks of each step run in a process of their
+own with a time limit (--check-timeout): a kernel that hangs (a wrong mbarrier phase never completes) fails its
+step, the process is killed, and the run goes on with the next step; a step that failed is not benchmarked. The
+tests that need no GPU (every step's build, SASS, trace points and bad input; the step-free tests) run once, beside
+them, a test file a process. Each skip reason is said once; each step's end says about how long the rest of the
+checks take.
+A step that the GPU here cannot run (the Hopper steps need an sm_90 GPU; the portable ones, any GPU since sm_80) is
 said so, in one line, and neither checked nor benchmarked.
 Writes results/<gpu>/<timestamp>.json and .png, regenerates the README table after a full run, and prints a
 short table last.
 """
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
-import platform
-import re
 import shutil
-import signal
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from verify import machine, runner
 from verify import steps as steps_mod
+from verify.log import log
 
 ROOT = steps_mod.ROOT
-TESTS = ROOT / "verify" / "tests"
-# The step-free tests build every step for every target it has and run beside the steps' checks: on a GPU
-# machine busy with those they took over 300 s (2026-12-01), so they get this many times a step's limit.
-OTHERS_TIMEOUT_FACTOR = 3
 PROG = "python -m verify"
 # What this process and its check processes import (requirements-verify.txt installs them; test_packaging keeps the two agreed).
 NEEDS = ("torch", "numpy", "matplotlib", "pytest", "hypothesis")
-_log_file = None  # <--out>/verify.log while a run writes one
-
-
-_log_lock = threading.Lock()  # steps are checked side by side: one message at a time, whole
-
-
-def log(msg: str = "") -> None:
-    with _log_lock:
-        print(msg, flush=True)
-        if _log_file:
-            _log_file.write(msg + "\n")
-            _log_file.flush()
-
-
-def gpu_meta() -> dict:
-    import torch
-    meta = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU",
-            "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "host": platform.node()}
-    nvcc = steps_mod.build_step.find_nvcc()
-    meta["nvcc"] = ".".join(map(str, steps_mod.build_step.nvcc_version(nvcc)))
-    meta.update(smi())
-    return meta
-
-
-def smi() -> dict:
-    """Driver and clocks as nvidia-smi reads them now (read only: the card's settings are never changed)."""
-    fields = ["driver_version", "clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu"]
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
-        vals = [v.strip() for v in out.split(",")]
-        d = dict(zip(fields, vals))
-        return {"driver": d.pop("driver_version"), "clocks": d}
-    except (OSError, IndexError, subprocess.SubprocessError):
-        return {"driver": "unknown", "clocks": {}}
-
-
-def run_pytest(args: list[str], env: dict, timeout: float, junit: Path | None = None, log=log,
-               stream: bool = True) -> tuple[str, str]:
-    """`python -m pytest ARGS` in a process of its own, its output copied to the log, killed at `timeout` s.
-
-    stream=False holds the output back and logs it in one piece at the end (for processes running side by
-    side, whose lines would otherwise interleave).
-
-    A hung kernel blocks its process in a CUDA call for good, and nothing inside that process can end it:
-    only killing the process frees the GPU. The process gets its own process group so that its children
-    (torch.compile's workers, subprocesses of the tests) go with it. Returns (verdict, pytest's last line).
-    """
-    cmd = [sys.executable, "-m", "pytest", *args, "-q", "-rfEs", "-p", "no:cacheprovider"]
-    if junit:
-        cmd.append(f"--junitxml={junit}")
-    lines: list[str] = []
-
-    def copy_output():
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if stream:
-                log(lines[-1])
-
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    reader = threading.Thread(target=copy_output, daemon=True)
-    reader.start()
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        # Kill the whole group: at the time limit; on Ctrl-C (the terminal's SIGINT does not reach another
-        # session); and after a normal exit too, for children the tests left behind (one could hold a hung kernel).
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # nothing left in the group
-            pass
-        proc.wait()
-    reader.join(timeout=10)  # a child that left the group could hold the pipe open: don't wait for it
-    if not stream:
-        log("\n".join(lines))
-    last = next((ln for ln in reversed(lines) if ln.strip()), "")
-    return verdict(rc, timeout), last
-
-
-def verdict(rc: int | None, timeout: float) -> str:
-    """A check process's exit status in words (pytest's exit codes; rc None = killed at the time limit)."""
-    if rc is None:
-        return f"FAILED (timed out after {timeout:g} s: a hung kernel?)"
-    if rc == 0:
-        return "passed"
-    if rc == 5:
-        return "not run (no tests selected)"
-    if rc < 0:
-        return f"FAILED (the test process died of {signal.Signals(-rc).name})"
-    return "FAILED" if rc == 1 else f"FAILED (pytest exit code {rc})"
-
-
-def check_steps(steps: list[str], timeout: float, junit_dir: Path | None = None, tests: Path = TESTS, log=log,
-                jobs: int = 1) -> dict:
-    """Each step's checks (the tests whose id names it) in a process of their own, `jobs` processes at a time
-    (their output is then logged step by step as each finishes). Returns {step: verdict}."""
-    def one(step):
-        log(f"-- {step}: pytest -k {step} (time limit {timeout:g} s)")
-        t0 = time.monotonic()
-        env = {**os.environ, "FLASHLADDER_STEPS": step}
-        verdict_, last = run_pytest([str(tests), "-k", step], env, timeout,
-                                    junit_dir / f"{step}.xml" if junit_dir else None, log=log, stream=jobs == 1)
-        log(f"-- {step}: {verdict_} ({time.monotonic() - t0:.0f} s; {last})")
-        return step, verdict_
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return dict(pool.map(one, steps))
-
-
-def check_others(steps: list[str], timeout: float, junit_dir: Path | None = None, tests: Path = TESTS, log=log,
-                 stream: bool = True) -> str:
-    """The tests that concern no single step (model, CLI, README, figures), once, in a process of their own."""
-    log(f"-- other tests (time limit {timeout:g} s)")
-    env = {**os.environ, "FLASHLADDER_STEPS": ",".join(steps)}
-    outcome, last = run_pytest([str(tests), "-k", " and ".join(f"not {s}" for s in steps)], env, timeout,
-                               junit_dir / "others.xml" if junit_dir else None, log=log, stream=stream)
-    log(f"-- other tests: {outcome} ({last})")
-    return outcome
 
 
 def main(argv=None) -> int:
@@ -181,7 +53,7 @@ def main(argv=None) -> int:
                     help="time limit for the checks of one step, then its process is killed (default: %(default)s)")
     ap.add_argument("--check-jobs", type=int, default=4, metavar="N",
                     help="check N steps side by side, each in its own process (default: %(default)s; 1 streams the output)")
-    ap.add_argument("--tests", type=Path, default=TESTS, help="the tests to run as checks (default: verify/tests)")
+    ap.add_argument("--tests", type=Path, default=runner.TESTS, help="the tests to run as checks (default: verify/tests)")
     ap.add_argument("--ptx-jit", action="store_true",
                     help="build each step as its portable PTX alone (no SASS; steps with PTX only, by default all of them) "
                          "into build/ptx-jit, so that the driver compiles it at load, and check that code: on an H100/H200, "
@@ -226,16 +98,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"{PROG}: error: {why}")
     if not args.no_bench and (why := steps_mod.no_gpu_reason()):
         raise SystemExit(f"{PROG}: error: {why} (--no-bench: build, and run the checks that need no GPU)")
-    global _log_file
-    if args.out:
-        (args.out / "checks").mkdir(parents=True, exist_ok=True)
-        _log_file = open(args.out / "verify.log", "w")
-    try:
+    if not args.out:
         return run(args)
-    finally:
-        if _log_file:
-            _log_file.close()
-            _log_file = None
+    (args.out / "checks").mkdir(parents=True, exist_ok=True)
+    with log.to(args.out / "verify.log"):
+        return run(args)
 
 
 def stage_labels(args) -> dict[str, str]:
@@ -269,8 +136,8 @@ def run(args) -> int:
     checks, others = {s: "not run" for s in steps}, "not run"
     skipped = {}  # steps that this GPU cannot run: neither checked nor benchmarked
     if steps_mod.no_gpu_reason() is None:
-        from binding import _device_props  # common/binding.py (on sys.path through verify.steps)
-        device = _device_props(0)
+        import binding  # common/binding (on sys.path through verify.steps)
+        device = binding.device_props(0)
         skipped = steps_mod.unrunnable(steps, device)
         for s, why in skipped.items():
             log(f"  {s}: not run on this GPU ({device.name}, {device.sm}): {why}")
@@ -280,16 +147,25 @@ def run(args) -> int:
         log(f"{PROG}: no selected step runs on this GPU")
     elif not args.no_checks:
         shown = tests.relative_to(ROOT) if tests.is_relative_to(ROOT) else tests
-        from verify.checks import run_seed  # one seed for every step's process: the float64 references are shared
+        from verify.checks import run_seed  # one seed for every step's process: the same inputs, replayed by it
         jit = " (their PTX alone, compiled by the driver at load: FLASHLADDER_PTX_JIT=1)" if steps_mod.ptx_jit() else ""
-        log(f"{stage['checks']} checking {len(runnable)} step(s){jit} ({shown}), each in a process of its own, "
-            f"{args.check_jobs} at a time; random inputs from FLASHLADDER_SEED={run_seed()}")
+        ours = tests == runner.TESTS.resolve()  # verify/tests: each step's process runs its kernel checks alone
+        what = ("each step's kernel checks in a process of its own, the tests that need no GPU (every step's build, SASS, "
+                "trace points, bad input; the step-free tests) beside them, a test file a process" if ours and not steps_mod.ptx_jit()
+                else "each in a process of its own")
+        log(f"{stage['checks']} checking {len(runnable)} step(s){jit} ({shown}), {what}, {args.check_jobs} at a time; "
+            f"random inputs from FLASHLADDER_SEED={run_seed()}")
         with ThreadPoolExecutor(max_workers=1) as side:  # the step-free tests run beside the steps' checks
             # (not with --ptx-jit: they test no step's build)
+            skips = runner.Skips()  # each reason said once, after all of them
             others_future = None if steps_mod.ptx_jit() else side.submit(
-                check_others, steps, OTHERS_TIMEOUT_FACTOR * args.check_timeout, junit_dir, tests, log, False)
-            checks |= check_steps(runnable, args.check_timeout, junit_dir, tests, jobs=args.check_jobs)
+                runner.check_others, steps, runner.OTHERS_TIMEOUT_FACTOR * args.check_timeout, junit_dir, tests, log, False,
+                skips, gpu_only=ours, jobs=runner.others_jobs() if ours else 1)
+            checks |= runner.check_steps(runnable, args.check_timeout, junit_dir, tests, jobs=args.check_jobs, skips=skips,
+                                         times=runner.times_file() if ours else None, gpu_only=ours)
             others = others_future.result() if others_future else "not run (--ptx-jit)"
+        for line in skips.lines():
+            log(line)
         log("  " + ", ".join(f"{s} {v}" for s, v in checks.items()) + f"; other tests {others}")
     failed = [s for s, v in checks.items() if v.startswith("FAILED")]
     code = 1 if failed or others.startswith("FAILED") else 0
@@ -297,18 +173,18 @@ def run(args) -> int:
         return code
 
     log(f"{stage['bench']} benchmarking {len(steps)} step(s) and torch SDPA at N = {', '.join(map(str, seqlens))}")
-    meta = gpu_meta()
+    meta = machine.gpu_meta()
     timed = {s: steps_mod.load(s) for s in runnable if s not in failed}  # a hung or wrong kernel is not timed
     impls = {s: m.attention for s, m in timed.items()}
     causal = None if args.no_causal else causal_step(timed)
     if causal:
         log(f"  causal table: {causal.name} at N = {', '.join(map(str, bench.causal_seqlens(seqlens))) or '(none of this run)'}")
     timing = bench.run(impls, seqlens, timing=bench.timing_from_args(args), log=log, causal=causal)
-    meta["clocks_after"] = smi().get("clocks", {})
+    meta["clocks_after"] = machine.smi().get("clocks", {})
 
     log(f"{stage['write']} writing results")
-    gpu_slug = results_folder(meta["gpu"])
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H-%M-%SZ")
+    gpu_slug = machine.results_folder(meta["gpu"])
+    stamp = machine.utc_stamp()
     res_dir = ROOT / "results" / gpu_slug
     res_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = res_dir / f"{stamp}.json", res_dir / f"{stamp}.png"
@@ -343,11 +219,6 @@ def causal_step(modules: dict):
         return None
     step, mod = takes[-1]
     return bench.CausalStep(step, mod.attention, bool(mod.info.get("gqa")))
-
-
-def results_folder(gpu_name: str) -> str:
-    """results/<this>/ for a GPU: 'NVIDIA H200' -> 'h200', 'NVIDIA GeForce RTX 4090' -> 'geforce-rtx-4090'."""
-    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower().replace("nvidia", "")).strip("-") or "gpu"
 
 
 def targets_in_words(steps: list[str]) -> str:

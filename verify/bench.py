@@ -504,7 +504,7 @@ def sdpa_fn(backend_name: str, q, k, v, **kwargs):
 
 
 # torch's own lines around the reasons it gives for refusing a call: left out of the reason a cell records
-_SDPA_BOILERPLATE = ("kernel not used because", "has been runtime disabled", "was not compiled with")
+SDPA_BOILERPLATE = ("kernel not used because", "has been runtime disabled", "was not compiled with")
 
 
 def refusal(fn) -> str | None:
@@ -516,7 +516,7 @@ def refusal(fn) -> str | None:
             fn()
         except RuntimeError as e:
             reasons = [str(w.message).split(" (Triggered internally")[0].strip().splitlines()[0] for w in caught
-                       if str(w.message).strip() and not any(b in str(w.message) for b in _SDPA_BOILERPLATE)]
+                       if str(w.message).strip() and not any(b in str(w.message) for b in SDPA_BOILERPLATE)]
             return "; ".join(dict.fromkeys([*reasons, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__]))
     return None
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verify.reference import CHUNK_SCORES, attention_reference_of, causal_offset
+from verify.reference import CHUNK_SCORES, attention_reference_of, attention_reference_torch, causal_offset
 
 HEAD_DIM = 128
 DEFAULT_SCALE = 1.0 / math.sqrt(HEAD_DIM)
@@ -225,13 +225,18 @@ def _max_abs(got: torch.Tensor, want: np.ndarray) -> float:
 
 
 def prepare(q, k, v, scale=None, label="", cache_key=None, causal=False) -> Case:
-    """A Case for these inputs (cache_key: keep the float64 reference on disk for the other steps of the run).
-    causal: False, "top_left" or "bottom_right"; k, v may have fewer heads than q (a divisor of its heads)."""
+    """A Case for these inputs: the float64 reference in torch on the GPU where the inputs are there
+    (attention_reference_torch: milliseconds), else with numpy (cache_key: kept on disk for the other processes of the
+    run, which would compute it again). causal: False, "top_left" or "bottom_right"; k, v may have fewer heads than q
+    (a divisor of its heads)."""
     scale = DEFAULT_SCALE if scale is None else scale
     causal = check_causal(causal)
-    as64 = [t.double().cpu().numpy() for t in (q, k, v)]
-    o_ref, lse_ref = (_cached_reference(cache_key, as64, scale, causal) if cache_key
-                      else attention_reference_of(*as64, scale, causal))
+    if q.device.type == "cuda":
+        o_ref, lse_ref = attention_reference_torch(q, k, v, scale, causal)
+    else:
+        as64 = [t.double().cpu().numpy() for t in (q, k, v)]
+        o_ref, lse_ref = (_cached_reference(cache_key, as64, scale, causal) if cache_key
+                          else attention_reference_of(*as64, scale, causal))
     o_y, lse_y = yardstick_attention(q, k, v, scale, causal)
     return Case(label, q, k, v, scale, o_ref, lse_ref, _max_abs(o_y, o_ref), _max_abs(lse_y, lse_ref), causal)
 
@@ -291,7 +296,7 @@ def measure_errors(mod, q, k, v, scale=None, causal=False) -> Errors:
 
 @functools.lru_cache(maxsize=None)
 def random_case(batch, heads, seqlen_q, seqlen_k, factor=1.0, causal=False, heads_k=None) -> Case:
-    """make_inputs(...) of this run's seed, prepared once per process (and its reference once per run).
+    """make_inputs(...) of this run's seed, prepared once per process (on the CPU, its numpy reference once per run).
     causal: False, "top_left" or "bottom_right"; heads_k: k and v's heads (default: heads)."""
     key = ("random", batch, heads, seqlen_q, seqlen_k, factor, causal, heads_k)
     label = (f"random x{factor:g} {batch}x{heads}x{seqlen_q}x{seqlen_k}" + (f", {heads_k} kv heads" if heads_k else "")
@@ -373,7 +378,7 @@ def adversarial_case(kind, tile_q, tile_k, causal=False) -> Case:
                    cache_key=("adversarial", kind, tile_q, tile_k, causal), causal=causal)
 
 
-# ---------------------------------------------------------------- the float64 reference, once per run
+# ---------------------------------------------------------------- the numpy reference, once per run
 
 CACHE_DIR = Path(__file__).resolve().parent.parent / "build" / "reference-cache"
 # The code that makes the inputs and the reference: a change to either makes the cached files stale.
@@ -382,7 +387,7 @@ _SOURCE = hashlib.sha256(b"".join((Path(__file__).parent / f).read_bytes() for f
 
 def _cached_reference(key: tuple, qkv64: list, scale: float, causal=False):
     """attention_reference_of(*qkv64, scale, causal), kept in build/reference-cache for the other steps of this run
-    (each step's checks may run in a process of its own; the reference is the slow part of the checks). Files of
+    (each step's checks may run in a process of its own; numpy's reference is slow at long sequences). Files of
     other seeds are removed when one is written: the cache holds one run. The file's name covers the causal mask
     and the inputs' shapes (k/v's heads with them) besides `key`, whatever `key` says."""
     seed = run_seed()

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 4 -m verify.capstone --cp ring --gpus 4
     torchrun --standalone --nproc-per-node 2 -m verify.capstone --cp ring --gpus 2 --quick   # a smoke run
 
-The capstone's Wan2.1-T2V-1.3B denoiser (verify/capstone.py: its configuration, seeded random weights, inputs), one
+The capstone's Wan2.1-T2V-1.3B denoiser (verify/models.py: its configuration, seeded random weights, inputs), one
 forward timed at 32760 tokens (480p, 81 frames) and 75600 (720p, 81 frames: a 21 x 90 x 160 latent grid, 21 x 45 x 80
 patches), on one GPU and on N through diffusers' own context parallelism (`model.enable_parallelism(config=
 ContextParallelConfig(ulysses_degree=N))` or `ring_degree=N`), nothing of diffusers patched:
@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from verify import capstone
+from verify import models
 from verify import steps as steps_mod
 
 PROG = "python -m verify.capstone --cp"
@@ -186,7 +186,7 @@ def cudnn_result(o, lse, q, k):
 
 @functools.lru_cache(maxsize=None)
 def router_class(binding):
-    """CudnnRouter for one binding module (each step package holds its own copy of common/binding.py, and so its own
+    """CudnnRouter for one binding module (each step package holds its own copy of common/binding/, and so its own
     SdpaRouter class): an SdpaRouter that takes the cuDNN op's calls too."""
 
     import torch
@@ -251,32 +251,33 @@ def router_class(binding):
 
 
 def make_ring_router(binding, attention, limits, strict: bool = False, name: str | None = None):
-    """A CudnnRouter of `binding` (a step's _binding module) for `attention` ((q, k, v, scale, causal) -> (o, lse))
-    within `limits` (binding.SdpaLimits)."""
+    """A CudnnRouter of `binding` (common/binding, of which each step package holds a copy) for `attention` ((q, k, v,
+    scale, causal) -> (o, lse)) within `limits` (binding.SdpaLimits)."""
     return router_class(binding)(attention, limits, strict, name or f"flashladder.{limits.step}.ring_sdpa")
 
 
 def ring_sdpa(step_mod, strict: bool = False):
     """The ring drop-in for a step module: `with ring_sdpa(step):` around a model whose attention backend is diffusers'
     `_native_cudnn` (ring attention), the step's own limits (those of its sdpa() drop-in)."""
-    return make_ring_router(step_mod._binding, step_mod.attention, step_mod.sdpa().limits, strict,
+    import binding  # common/binding (on sys.path through verify.steps), of which every step's drop-in is made
+    return make_ring_router(binding, step_mod.attention, step_mod.sdpa().limits, strict,
                             name=f"{step_mod.__name__}.ring_sdpa")
 
 
 # ---------------------------------------------------------------- the command line
 
 def parse_shapes(text: str) -> list[tuple]:
-    """'32760,75600' (the shapes of this run, by tokens) or latent grids FxHxW (capstone.parse_shapes' rules)."""
+    """'32760,75600' (the shapes of this run, by tokens) or latent grids FxHxW (models.parse_grid)."""
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if part.isdigit() and int(part) in SHAPES:
             out.append(SHAPES[int(part)])
             continue
         try:
-            out.extend(capstone.parse_shapes(part))
+            out.append(models.parse_grid(part))
         except ValueError:
             raise ValueError(f"cannot read {part!r}: give {' or '.join(map(str, SHAPES))} (tokens) or a latent grid FxHxW "
-                             f"whose sizes are multiples of the patch {'x'.join(map(str, capstone.PATCH))} (e.g. 4x32x32)") from None
+                             f"whose sizes are multiples of the patch {'x'.join(map(str, models.PATCH))} (e.g. 4x32x32)") from None
     if not out:
         raise ValueError("no shape given")
     return out
@@ -287,11 +288,11 @@ def make_parser():
     ap.add_argument("--cp", choices=MODES, required=True, help="diffusers' context parallelism: ulysses or ring")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs (torchrun processes, one GPU each): at least 2")
     ap.add_argument("--step", type=steps_mod.steps_arg, help="the step to put in the model (default: the last, the final step)")
-    ap.add_argument("--shapes", type=capstone._arg(parse_shapes), help="32760,75600 (default), or latent grids FxHxW")
+    ap.add_argument("--shapes", type=models.arg_type(parse_shapes), help="32760,75600 (default), or latent grids FxHxW")
     ap.add_argument("--iters", type=int, default=5, help="timed forwards per row and shape; the median is reported (default: 5)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed forwards after the first call (default: 2)")
     ap.add_argument("--layers", type=int, help="transformer blocks (default: the configuration's 30)")
-    ap.add_argument("--quick", action="store_true", help=f"a smoke run: 2 layers, a {capstone.tokens_of(QUICK_GRID)}-token grid "
+    ap.add_argument("--quick", action="store_true", help=f"a smoke run: 2 layers, a {models.tokens_of(QUICK_GRID)}-token grid "
                     f"({'x'.join(map(str, QUICK_GRID))}), 1 warm-up + 2 timed")
     ap.add_argument("--out", type=Path, metavar="DIR", help="also copy the results JSON here")
     return ap
@@ -303,12 +304,12 @@ def check_args(ap, args) -> None:
         ap.error(f"--gpus {args.gpus}: context parallelism needs at least 2 GPUs (the one-GPU rows run anyway)")
     if args.iters < 1 or args.warmup < 0:
         ap.error("--iters must be at least 1 and --warmup at least 0")
-    heads = capstone.WAN_T2V_1_3B["num_attention_heads"]
+    heads = models.WAN_T2V_1_3B["num_attention_heads"]
     if args.cp == "ulysses" and heads % args.gpus:
         ap.error(f"--cp ulysses --gpus {args.gpus}: Ulysses splits the model's {heads} heads among the GPUs, and {args.gpus} "
                  f"does not divide {heads} (give 2, 3, 4, 6 or 12, or --cp ring)")
     for grid in args.shapes:
-        tokens = capstone.tokens_of(grid)
+        tokens = models.tokens_of(grid)
         if tokens % args.gpus:
             ap.error(f"--gpus {args.gpus}: the {tokens} tokens of {'x'.join(map(str, grid))} do not split evenly among "
                      f"{args.gpus} GPUs (diffusers' context parallelism shards the sequence in equal parts)")
@@ -351,7 +352,7 @@ def main(argv=None) -> int:
     if why := environment_reason(args.gpus, argv):
         raise SystemExit(f"{PROG}: error: {why}")
     for name in ("diffusers", "transformers"):
-        capstone.need(name)
+        models.need(name, PROG)
     return run(args)
 
 
@@ -359,7 +360,7 @@ def main(argv=None) -> int:
 
 def parallel_config(mode: str, n: int):
     """diffusers' ContextParallelConfig for `mode` over n ranks."""
-    config = capstone.need("diffusers").ContextParallelConfig
+    config = models.need("diffusers", PROG).ContextParallelConfig
     return config(**{"ulysses_degree" if mode == "ulysses" else "ring_degree": n})
 
 
@@ -367,7 +368,7 @@ def parallel_transformer(config: dict, device, mode: str, n: int):
     """The capstone's model (same seed: the same weights on every rank), with diffusers' context parallelism over the
     n ranks of the default process group; for ring, the attention backend set to `_native_cudnn` first (the only
     backend of torch's own that gives the LSE ring needs); for Ulysses, left at `native`."""
-    model = capstone.build_transformer(config, device)
+    model = models.build_transformer(config, device)
     if mode == "ring":
         model.set_attention_backend("_native_cudnn")
     model.enable_parallelism(config=parallel_config(mode, n))
@@ -378,16 +379,16 @@ def cp_rows(mode: str, step_mod) -> list:
     """The N-GPU rows: diffusers' backend as it is, then the step through the drop-in that the backend needs."""
     step = step_mod.info["step"]
     if mode == "ulysses":
-        return [capstone.Backend("sdpa_default", "SDPA default (native)", contextlib.nullcontext),
-                capstone.Backend(step, step, lambda: step_mod.sdpa(strict=True))]
-    return [capstone.Backend("cudnn", "cuDNN (_native_cudnn)", contextlib.nullcontext),
-            capstone.Backend(step, step, lambda: ring_sdpa(step_mod, strict=True))]
+        return [models.Backend("sdpa_default", "SDPA default (native)", contextlib.nullcontext),
+                models.Backend(step, step, lambda: step_mod.sdpa(strict=True))]
+    return [models.Backend("cudnn", "cuDNN (_native_cudnn)", contextlib.nullcontext),
+            models.Backend(step, step, lambda: ring_sdpa(step_mod, strict=True))]
 
 
 def one_gpu_rows(mode: str, step_mod) -> list:
     """The one-GPU rows: SDPA's default (every output's reference), SDPA forced to cuDNN (ring's baseline: the kernel
     of diffusers' _native_cudnn), the step through its SDPA drop-in."""
-    rows = {r.name: r for r in capstone.backends(step_mod, fa3=(None, ""))}
+    rows = {r.name: r for r in models.backends(step_mod, fa3=(None, ""))}
     names = ["sdpa_default", *(["sdpa_cudnn"] if mode == "ring" else []), step_mod.info["step"]]
     return [rows[n] for n in names]
 
@@ -407,15 +408,15 @@ def run_cp_row(model, args: dict, row, warmup: int, iters: int, device, where: s
         t0 = time.perf_counter()
         with row.context() as ctx:
             out = model(**args)[0]
-        capstone.synchronize(device)
+        models.synchronize(device)
         first_s = time.perf_counter() - t0
         with row.context():
             for _ in range(warmup):
                 model(**args)
-            capstone.synchronize(device)
-            times = capstone.time_forwards(lambda: model(**args), iters, device)
+            models.synchronize(device)
+            times = models.time_forwards(lambda: model(**args), iters, device)
     cell = {"status": "ok", "ms": statistics.median(times), "times_ms": times, "first_s": first_s,
-            **capstone.counts_of(ctx), "finite": bool(torch.isfinite(out).all())}
+            **models.counts_of(ctx), "finite": bool(torch.isfinite(out).all())}
     log(f"{where}: {cell['ms']:.1f} ms on this rank (median of {iters})"
         + (f"; {cell['routed']} routed, {sum(cell['fallbacks'].values())} fell back" if "routed" in cell else ""))
     return cell, out
@@ -468,25 +469,25 @@ def _run(args, rank: int, world: int, device, dist, log, step_mod=None, config=N
     import torch
     cuda = torch.device(device).type == "cuda"
     step = step_mod.info["step"] if step_mod is not None else (args.step or steps_mod.all_steps())[-1]
-    config = config or dict(capstone.WAN_T2V_1_3B, **({"num_layers": args.layers} if args.layers else {}))
+    config = config or dict(models.WAN_T2V_1_3B, **({"num_layers": args.layers} if args.layers else {}))
     shapes = args.shapes
     t0 = time.time()
     if step_mod is None:
         if rank == 0:  # builds the step (nvcc, cached by content) while the others wait: one build, not N racing
-            capstone.load_step(step)
+            models.load_step(step)
         dist.barrier()
-        step_mod = capstone.load_step(step)
-    inputs = {capstone.tokens_of(g): capstone.make_inputs(config, g, device) for g in shapes}
+        step_mod = models.load_step(step)
+    inputs = {models.tokens_of(g): models.make_inputs(config, g, device) for g in shapes}
     runs: dict = {"1": {str(t): {} for t in inputs}, str(world): {str(t): {} for t in inputs}}
     outputs: dict = {}  # rank 0: (gpus, tokens, row) -> the first forward's output
     if rank == 0:
-        log(f"{PROG} {args.cp}: {step} in a Wan2.1-T2V-1.3B{'' if config == capstone.WAN_T2V_1_3B else '-like'} model "
+        log(f"{PROG} {args.cp}: {step} in a Wan2.1-T2V-1.3B{'' if config == models.WAN_T2V_1_3B else '-like'} model "
             f"({config['num_layers']} layers), {', '.join(f'{t} tokens' for t in inputs)}; the one-GPU rows first")
-        model = capstone.build_transformer(config, device)
+        model = models.build_transformer(config, device)
         for row in one_gpu_rows(args.cp, step_mod):
             for tokens, x in inputs.items():
                 one: dict = {}
-                runs["1"][str(tokens)][row.name] = capstone.run_row(
+                runs["1"][str(tokens)][row.name] = models.run_row(
                     model, x, row, "eager", args.warmup, args.iters, device, one, tokens, f"1 GPU {row.label} at {tokens} tokens", log)
                 if ("eager", tokens, row.name) in one:
                     outputs["1", tokens, row.name] = one["eager", tokens, row.name]
@@ -508,26 +509,25 @@ def _run(args, rank: int, world: int, device, dist, log, step_mod=None, config=N
     for (gpus, tokens, name), out in outputs.items():  # every output against the one-GPU SDPA default's
         ref = outputs.get(("1", tokens, "sdpa_default"))
         if ref is not None:
-            runs[gpus][str(tokens)][name].update(capstone.agreement(out, ref))
-    meta = capstone.gpu_meta(device)
+            runs[gpus][str(tokens)][name].update(models.agreement(out, ref))
+    meta = models.gpu_meta(device)
     meta["world_size"] = world
     if cuda:
         meta.update(nccl=".".join(map(str, torch.cuda.nccl.version())), gpus=[torch.cuda.get_device_name(i) for i in range(world)])
-    from verify.__main__ import results_folder
-    root = root or (capstone.SMOKE_ROOT if args.quick else capstone.ROOT)
-    json_path = root / "results" / results_folder(meta["gpu"]) / f"cp-{args.cp}-{world}gpu-{dt_stamp()}.json"
+    root = root or (models.SMOKE_ROOT if args.quick else models.ROOT)
+    json_path = models.results_path(f"cp-{args.cp}-{world}gpu", meta["gpu"], root)
     result = {
         "kind": "capstone-cp", "cp": args.cp, "gpus": world,
-        "path": str(json_path.relative_to(capstone.ROOT)) if json_path.is_relative_to(capstone.ROOT) else str(json_path),
+        "path": str(json_path.relative_to(models.ROOT)) if json_path.is_relative_to(models.ROOT) else str(json_path),
         "meta": meta, "step": step,
-        "model": {"class": "WanTransformer3DModel", "config": config, "config_source": capstone.CONFIG_SOURCE,
-                  "dtype": "bfloat16", "seed": capstone.SEED, "text_tokens": capstone.TEXT_TOKENS, "timestep": capstone.TIMESTEP},
+        "model": {"class": "WanTransformer3DModel", "config": config, "config_source": models.CONFIG_SOURCE,
+                  "dtype": "bfloat16", "seed": models.SEED, "text_tokens": models.TEXT_TOKENS, "timestep": models.TIMESTEP},
         "parallelism": {"config": f"ContextParallelConfig({args.cp}_degree={world})",
                         "attention_backend": "native" if args.cp == "ulysses" else "_native_cudnn",
                         "drop_in": f"{step}.sdpa(strict=True)" if args.cp == "ulysses" else f"verify.cp.ring_sdpa({step}, strict=True)"},
-        "shapes": {str(capstone.tokens_of(g)): list(g) for g in shapes},
+        "shapes": {str(models.tokens_of(g)): list(g) for g in shapes},
         "backends": {"1": [[r.name, r.label] for r in one_gpu_rows(args.cp, step_mod)], str(world): [[r.name, r.label] for r in rows]},
-        "attention_calls_per_rank": {"1": capstone.attention_calls(config), str(world): calls_per_rank(args.cp, config, world)},
+        "attention_calls_per_rank": {"1": models.attention_calls(config), str(world): calls_per_rank(args.cp, config, world)},
         "timing": {"warmup": args.warmup, "iters": args.iters, "mode": "eager",
                    "clock": f"{'CUDA events' if cuda else 'wall clock'} on every rank; a row's ms is the slowest rank's median"},
         "runs": runs, "argv": sys.argv[1:], "seconds": round(time.time() - t0, 1),
@@ -548,11 +548,6 @@ def _run(args, rank: int, world: int, device, dist, log, step_mod=None, config=N
     return 1 if failed else 0
 
 
-def dt_stamp() -> str:
-    import datetime as dt
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H-%M-%SZ")
-
-
 def summary(result: dict) -> str:
     """| GPUs, tokens | each row: ms (x the one-GPU SDPA default) | agreement |, one line per cell that ran."""
     lines = [f"{result['cp']} over {result['gpus']} GPUs, {result['step']}: one denoiser forward (eager)",
@@ -566,6 +561,6 @@ def summary(result: dict) -> str:
                 agree = f"{c['rel_err']:.2e} / {c['cosine']:.6f}" if "rel_err" in c else "-"
                 routed = (f"{c['routed']} of {result['attention_calls_per_rank'][gpus]}" if "routed" in c else "-")
                 lines.append(f"| {gpus} | {tokens} | {labels.get(name, name)} | "
-                             + (f"{c['ms']:.1f} | {sp:.3f}× | " if c.get("ms") and sp else f"{capstone.short_status(c)} | - | ")
+                             + (f"{c['ms']:.1f} | {sp:.3f}× | " if c.get("ms") and sp else f"{models.short_status(c)} | - | ")
                              + f"{agree} | {routed} |")
     return "\n".join(lines)

@@ -24,13 +24,12 @@ attention_mask), packed sequences, or torch.compile with an attention_mask make 
 which the step does not take (the prefill passes none). Each run records the calls it saw ("sdpa_calls").
 
 Writes results/<gpu>/prefill-<timestamp>.json (a --quick run: under build/prefill/); the README's prefill section is
-generated from it. transformers is optional: pip install -r requirements-capstone.txt.
+generated from it. transformers is optional: pip install -r requirements-models.txt.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import datetime as dt
 import importlib
 import json
 import shutil
@@ -40,7 +39,7 @@ import time
 import warnings
 from pathlib import Path
 
-from verify import capstone
+from verify import machine, models
 from verify import steps as steps_mod
 
 ROOT = steps_mod.ROOT
@@ -66,12 +65,7 @@ QUICK = {"layers": 2, "warmup": 1, "warmup_s": 0.0, "iters": 2}
 
 def need(name: str):
     """An optional module, or stop with one line saying how to install it."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        why = f"{e.name} is not installed" if e.name and str(e).startswith("No module named") else str(e).splitlines()[0]
-        raise SystemExit(f"{PROG}: error: cannot import {name} ({why}) in {sys.executable}: "
-                         "pip install -r requirements-capstone.txt") from None
+    return models.need(name, PROG)
 
 
 # ---------------------------------------------------------------- the model and its inputs
@@ -130,7 +124,7 @@ class SdpaCalls:
     def __init__(self):
         import torch
         from torch.overrides import TorchFunctionMode
-        binding = importlib.import_module("binding")  # common/binding.py, on sys.path through verify.steps
+        binding = importlib.import_module("binding")  # common/binding/, on sys.path through verify.steps
         outer = self
 
         class Mode(TorchFunctionMode):
@@ -194,9 +188,9 @@ def fa3_attention():
 def backends(step_mod, fa3=None) -> list:
     """The rows: SDPA default (the reference), FLASH, cuDNN, the step through its drop-in, FA3 through a router of the
     same class with FA3's limits (sm_90 only; causal and grouped heads). fa3: (function, where) from fa3_attention()."""
+    import binding  # common/binding (on sys.path through verify.steps): the class every step's drop-in is made of
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    Backend = capstone.Backend
-    binding = step_mod._binding
+    Backend = models.Backend
     step, info = step_mod.info["step"], step_mod.info
     fa3_fn, fa3_where = fa3 if fa3 is not None else fa3_attention()
     features = binding.FEATURE_CAUSAL | binding.FEATURE_GQA
@@ -235,7 +229,7 @@ def warm_up(forward, warmup: int, warmup_s: float, device) -> tuple[int, float]:
     t0, n = time.perf_counter(), 0
     while n < warmup or time.perf_counter() - t0 < warmup_s:
         forward()
-        capstone.synchronize(device)
+        models.synchronize(device)
         n += 1
     return n, time.perf_counter() - t0
 
@@ -245,10 +239,10 @@ def _refused(e: Exception, caught) -> str | None:
     kernel", after warnings that say why; CPU: "No viable backend")."""
     if "No available kernel" not in str(e) and "No viable backend" not in str(e):
         return None
-    from verify.bench import _SDPA_BOILERPLATE
+    from verify.bench import SDPA_BOILERPLATE
     reasons = [str(w.message).split(" (Triggered internally")[0].strip().splitlines()[0] for w in caught
-               if str(w.message).strip() and not any(b in str(w.message) for b in _SDPA_BOILERPLATE)]
-    return "; ".join(dict.fromkeys(reasons)) or capstone.first_line(e)
+               if str(w.message).strip() and not any(b in str(w.message) for b in SDPA_BOILERPLATE)]
+    return "; ".join(dict.fromkeys(reasons)) or models.first_line(e)
 
 
 def run_row(model, inputs: dict, row, *, warmup: int, warmup_s: float, iters: int, device, calls: int, log,
@@ -264,23 +258,23 @@ def run_row(model, inputs: dict, row, *, warmup: int, warmup_s: float, iters: in
                 t0 = time.perf_counter()
                 with row.context() as ctx, (recorder or contextlib.nullcontext()):
                     out = forward()
-                capstone.synchronize(device)
+                models.synchronize(device)
                 first_s = time.perf_counter() - t0
             for w in caught:  # what was not a refusal is said as it would have been
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-            counts = capstone.counts_of(ctx)
+            counts = models.counts_of(ctx)
             with row.context() as timed:  # a new router of the same kind: its counts are the timed forwards'
                 warm, warm_s = warm_up(forward, warmup, warmup_s, device)
-                times = capstone.time_forwards(forward, iters, device)
+                times = models.time_forwards(forward, iters, device)
     except Exception as e:  # noqa: BLE001  (a backend that cannot run is a row that says why)
         refused = _refused(e, caught) if isinstance(e, RuntimeError) else None
-        status = f"not supported: {refused}" if refused else f"failed: {capstone.first_line(e)}"
+        status = f"not supported: {refused}" if refused else f"failed: {models.first_line(e)}"
         log(f"{where}: {status}")
         return {"status": status}, None
     cell = {"status": "ok", "ms": statistics.median(times), "times_ms": times, "first_s": first_s,
             "warmup_forwards": warm, "warmup_s": warm_s, **counts, "finite": bool(torch.isfinite(out).all())}
     if counts:
-        timed_counts = capstone.counts_of(timed)
+        timed_counts = models.counts_of(timed)
         cell["routed_per_forward"] = counts["routed"]
         cell["routed_every_forward"] = (timed_counts["routed"] == (warm + iters) * counts["routed"]
                                         and not timed_counts["fallbacks"])
@@ -317,7 +311,7 @@ def benchmark(model, inputs: dict, rows: list, *, warmup: int, warmup_s: float, 
     ref = outputs.get("sdpa_default")
     if ref is not None:
         for name, out in outputs.items():
-            out_rows[name].update(capstone.agreement(out, ref))
+            out_rows[name].update(models.agreement(out, ref))
     return {"rows": out_rows, "sdpa_calls": recorder.summary()}
 
 
@@ -346,9 +340,7 @@ def record(result: dict, *, meta: dict, path: Path, step: str, config: dict, tok
 
 
 def results_path(meta_gpu: str, root: Path = ROOT, stamp: str | None = None) -> Path:
-    from verify.__main__ import results_folder
-    stamp = stamp or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H-%M-%SZ")
-    return root / "results" / results_folder(meta_gpu) / f"prefill-{stamp}.json"
+    return models.results_path("prefill", meta_gpu, root, stamp)
 
 
 def write_results(run: dict, json_path: Path, out: Path | None = None, log=print) -> Path:
@@ -374,7 +366,7 @@ def table(run: dict) -> str:
     times, agree, routed = [], [], []
     for name, c in cells.items():
         sp = run["speedup_vs_sdpa_default"].get(name)
-        times.append(f"{_ms(c['ms'])} ({sp:.3f}×)" if c.get("ms") and sp else capstone.short_status(c))
+        times.append(f"{_ms(c['ms'])} ({sp:.3f}×)" if c.get("ms") and sp else models.short_status(c))
         if name == "sdpa_default" or "rel_err" not in c:
             agree.append("reference" if name == "sdpa_default" and c.get("ms") else "-")
         else:
@@ -432,7 +424,7 @@ def is_full(run: dict) -> bool:
 
 
 def newest_full_run(root: Path = ROOT) -> dict | None:
-    return capstone.newest_run(PREFILL_GLOB, is_full, root)
+    return models.newest_run(PREFILL_GLOB, is_full, root)
 
 
 def readme_section(run: dict | None) -> str:
@@ -441,7 +433,7 @@ def readme_section(run: dict | None) -> str:
 
 def update_readme(readme: Path, run: dict | None) -> bool:
     """The section between README_BEGIN and README_END regenerated; False (nothing written) where there are none."""
-    return capstone.write_readme_section(readme, README_BEGIN, README_END, readme_section(run))
+    return models.write_readme_section(readme, README_BEGIN, README_END, readme_section(run))
 
 
 # ---------------------------------------------------------------- the command line
@@ -510,18 +502,18 @@ def run_benchmark(args, log) -> int:
     log(f"{PROG}: {step} in {'Llama-3-8B' if config == LLAMA3_8B else 'a Llama-3-8B-like model'}'s LlamaModel "
         f"({config['num_hidden_layers']} layers), a {args.tokens}-token prefill, batch 1; >= {args.warmup} warm-up "
         f"forwards and >= {args.warmup_s:g} s, then {args.iters} timed, per row")
-    step_mod = capstone.load_step(step, log)
+    step_mod = models.load_step(step)
     t0 = time.time()
     model = build_model(config, device)
-    capstone.synchronize(device)
+    models.synchronize(device)
     log(f"model built on {device} in {time.time() - t0:.1f} s: "
         f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters in bf16")
     rows = backends(step_mod)
     inputs = make_inputs(config, args.tokens, device)
     result = benchmark(model, inputs, rows, warmup=args.warmup, warmup_s=args.warmup_s, iters=args.iters, device=device,
                        log=progress)
-    meta = capstone.gpu_meta(device)
-    meta["clocks_after"] = importlib.import_module("verify.__main__").smi().get("clocks", {})
+    meta = models.gpu_meta(device)
+    meta["clocks_after"] = machine.smi().get("clocks", {})
     json_path = results_path(meta["gpu"], SMOKE_ROOT if args.quick else ROOT)
     run = record(result, meta=meta, path=json_path, step=step, config=config, tokens=args.tokens, rows=rows,
                  timing={"warmup": args.warmup, "warmup_s": args.warmup_s, "iters": args.iters},

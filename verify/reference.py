@@ -3,11 +3,12 @@
 Deliberately naive (materialises the full score matrix) so that it is obviously
 right. Everything the kernels and verify/model.py produce is compared to this.
 causal_mask and repeat_kv say what the kernels' causal and grouped-head calls mean;
-attention_reference_of puts the three together, a block of query rows at a time.
+attention_reference_of puts the three together, a block of query rows at a time;
+attention_reference_torch is the same in torch float64, for tensors on a GPU (the checks' inputs).
 """
 import numpy as np
 
-# The diagonal's corners (common/binding.py's CAUSAL): row i sees key j iff j <= i + offset.
+# The diagonal's corners (common/binding/abi.py's CAUSAL): row i sees key j iff j <= i + offset.
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 # Rows of a block in attention_reference_of: at most this many scores at a time (16M float64: 128 MiB a copy).
 CHUNK_SCORES = 2**24
@@ -86,3 +87,38 @@ def attention_reference_of(q, k, v, scale=None, causal=False, chunk_scores=None)
         o[..., rows.start:rows.stop, :], lse[..., rows.start:rows.stop] = attention_reference(
             q[..., rows.start:rows.stop, :], k, v, scale, mask)
     return o, lse
+
+
+def attention_reference_torch(q, k, v, scale=None, causal=False, chunk_scores=None):
+    """attention_reference_of, the same naive formula step for step, in torch float64 on the tensors' device: on a GPU
+    its FP64 units compute a 32K x 32K call's reference in well under a second, where numpy takes a CPU core tens of
+    seconds (np.exp and the masks run on one core). Float64 either way: the two agree to ~1e-15 relative
+    (test_checks.py), a million times below the checks' bounds. q [B, H, Nq, D], k and v [B, H_k, Nk, D] tensors (any
+    float dtype); returns numpy float64 (o [B, H, Nq, D], lse [B, H, Nq]), as attention_reference_of does."""
+    import torch
+    q, k, v = (x.to(torch.float64) for x in (q, k, v))
+    heads, heads_k = q.shape[-3], k.shape[-3]
+    if heads_k == 0 or heads % heads_k:
+        raise ValueError(f"{heads_k} key/value heads do not divide {heads} query heads")
+    k, v = (x.repeat_interleave(heads // heads_k, dim=-3) for x in (k, v))
+    nq, nk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    o = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:-1], -np.inf, dtype=torch.float64, device=q.device)
+    if nk == 0:  # no key at all: every row is dead (o = 0, lse = -inf)
+        return o.cpu().numpy(), lse.cpu().numpy()
+    offset = causal_offset(nq, nk, causal) if causal else None
+    block = max(1, (CHUNK_SCORES if chunk_scores is None else chunk_scores) // max(1, int(np.prod(q.shape[:-2])) * nk))
+    for start in range(0, nq, block):
+        stop = min(nq, start + block)
+        s = (q[..., start:stop, :] @ k.transpose(-1, -2)) * scale
+        if causal:  # causal_mask: row i sees key j iff j <= i + offset
+            i = torch.arange(start, stop, device=q.device)[:, None]
+            s = s.masked_fill(torch.arange(nk, device=q.device)[None, :] > i + offset, -np.inf)
+        m = s.amax(dim=-1, keepdim=True)
+        dead = torch.isneginf(m)
+        e = torch.exp(s - torch.where(dead, 0.0, m))
+        row_sum = e.sum(dim=-1, keepdim=True)
+        lse[..., start:stop] = torch.where(dead, -np.inf, m + torch.log(row_sum))[..., 0]
+        o[..., start:stop, :] = torch.where(dead, 0.0, (e @ v) / row_sum)
+    return o.cpu().numpy(), lse.cpu().numpy()

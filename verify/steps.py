@@ -171,7 +171,7 @@ GPUS = gpus_in_words()
 def unrunnable(steps: list[str], device) -> dict[str, str]:
     """The steps of `steps` whose built library holds no code for `device` (a binding.Device), each with why, in one
     line (the binding's own check, without a launch). Needs the steps built."""
-    import binding  # common/binding.py: needs torch
+    import binding  # common/binding/: needs torch
     out = {}
     for step in steps:
         lib = binding.load_library(DEV / "flashladder" / step / "_kernel.so")

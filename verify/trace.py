@@ -195,7 +195,7 @@ def record(step: str, shape: tuple[int, int, int], raw_path: Path) -> None:
         buf = (ctypes.c_uint64 * (n * words))()
         check(lib.flashladder_trace_read_warp(region, buf, n), "flashladder_trace_read_warp")
         rows += decode(region, np.frombuffer(buf, dtype=np.uint64).reshape(n, words).tolist(), names)
-    binding = sys.modules[f"flashladder.{step}._binding"]
+    import binding  # common/binding/ (on sys.path through verify.steps): the ABI every step's library speaks
     raw = {"format": FORMAT, "step": step, "shape": list(shape), "gpu": torch.cuda.get_device_name(),
            "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
            "work_tiles": -(-seqlen // mod.info["tile_q"]) * heads * batch,

@@ -43,5 +43,20 @@ def has_cuda_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-needs_gpu = pytest.mark.skipif(not has_cuda_gpu(), reason="no CUDA GPU on this machine: the kernel checks run on "
-                               f"{steps_mod.GPUS} (python -m verify on the GPU machine)")
+NO_GPU = f"no CUDA GPU on this machine: the kernel checks run on {steps_mod.GPUS} (python -m verify on the GPU machine)"
+needs_gpu = pytest.mark.skipif(not has_cuda_gpu(), reason=NO_GPU)
+ON_GPU = "on_gpu"  # the keyword of every test marked needs_gpu (pytest -k on_gpu): python -m verify's runner splits by it
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{ON_GPU}: a test that needs the GPU (marked needs_gpu; given to it at collection)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k deselects (the mark plugin's hook): the keyword must be there by then
+def pytest_collection_modifyitems(items):
+    """Each test marked needs_gpu also gets the marker on_gpu, whether or not this machine has a GPU, so that
+    `-k "step05 and on_gpu"` selects step05's kernel checks (python -m verify runs each step's in a process of its own)
+    and `-k "not on_gpu"` the tests that need no GPU (run once for every step, beside them)."""
+    for item in items:
+        if any(m.kwargs.get("reason") == NO_GPU for m in item.iter_markers("skipif")):
+            item.add_marker(getattr(pytest.mark, ON_GPU))

@@ -1,4 +1,4 @@
-"""The binding's edge cases (common/binding.py): its guard of the C ABI, the strides it hands the kernel,
+"""The binding's edge cases (common/binding/): its guard of the C ABI, the strides it hands the kernel,
 empty and keyless inputs, the alignment it asks of lse, one check per call, what it says at import on a machine
 that cannot run a kernel; the causal and grouped-heads arguments (check_causal, check_causal_code, check_inputs'
 features, make_params' heads_k, causal and causal_offset). CPU where it can be, else GPU."""
@@ -34,10 +34,10 @@ def meta(shape, strides=None):
 # ---------------------------------------------------------------- the ABI guard
 
 def test_abi_version_mismatch_is_refused(mod, monkeypatch):
-    binding = mod._binding
-    monkeypatch.setattr(binding, "ABI_VERSION", binding.ABI_VERSION + 1)
-    with pytest.raises(ImportError, match=f"built for ABI {binding.ABI_VERSION - 1}, this binding speaks {binding.ABI_VERSION}"):
-        binding.load_library(Path(mod.info["library"]))
+    abi = mod._binding.abi  # where load_library reads it
+    monkeypatch.setattr(abi, "ABI_VERSION", abi.ABI_VERSION + 1)
+    with pytest.raises(ImportError, match=f"built for ABI {abi.ABI_VERSION - 1}, this binding speaks {abi.ABI_VERSION}"):
+        abi.load_library(Path(mod.info["library"]))
 
 
 def test_params_mirror_mismatch_is_refused(mod, monkeypatch):
@@ -46,7 +46,7 @@ def test_params_mirror_mismatch_is_refused(mod, monkeypatch):
 
     class Mirror(ctypes.Structure):
         _fields_ = [*binding.FwdParams._fields_, ("extra", ctypes.c_int64)]
-    monkeypatch.setattr(binding, "FwdParams", Mirror)
+    monkeypatch.setattr(binding.abi, "FwdParams", Mirror)
     with pytest.raises(ImportError, match="sizeof\\(FwdParams\\) is .* the two disagree"):
         binding.load_library(Path(mod.info["library"]))
 
@@ -75,10 +75,10 @@ def no_libcuda(name, *args, **kwargs):
     ("13.0", lambda name: None, 1, None),
 ], ids=["cpu-torch", "no-driver", "no-gpu", "gpu"])
 def test_no_cuda_reason_names_what_is_missing(built, monkeypatch, cuda, libcuda, gpus, why):
-    binding = steps_mod.load(selected_steps()[0])._binding  # common/binding.py, as a step has it: one step will do
+    binding = steps_mod.load(selected_steps()[0])._binding  # common/binding/, as a step has it: one step will do
     monkeypatch.setattr(torch.version, "cuda", cuda)
     if libcuda:
-        monkeypatch.setattr(binding.ctypes, "CDLL", libcuda)
+        monkeypatch.setattr(binding.checks.ctypes, "CDLL", libcuda)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     reason = binding.no_cuda_reason()
@@ -120,18 +120,18 @@ def test_device_props_read_the_shared_memory_from_the_driver_where_torch_does_no
             value._obj.value = 101376
             return 0
     old_torch = types.SimpleNamespace(name="NVIDIA GeForce RTX 4090", major=8, minor=9)
-    monkeypatch.setattr(binding.torch.cuda, "get_device_properties", lambda index: old_torch)
-    monkeypatch.setattr(binding.ctypes, "CDLL", lambda name: FakeLibcuda())
-    binding._device_props.cache_clear()
+    monkeypatch.setattr(binding.checks.torch.cuda, "get_device_properties", lambda index: old_torch)
+    monkeypatch.setattr(binding.checks.ctypes, "CDLL", lambda name: FakeLibcuda())
+    binding.device_props.cache_clear()
     try:
-        assert binding._device_props(1) == binding.Device("NVIDIA GeForce RTX 4090", 8, 9, 101376)
+        assert binding.device_props(1) == binding.Device("NVIDIA GeForce RTX 4090", 8, 9, 101376)
         assert asked == [(97, 11)]
         new_torch = types.SimpleNamespace(**vars(old_torch), shared_memory_per_block_optin=232448)
-        monkeypatch.setattr(binding.torch.cuda, "get_device_properties", lambda index: new_torch)
-        binding._device_props.cache_clear()
-        assert binding._device_props(0).smem_per_block_optin == 232448 and len(asked) == 1
+        monkeypatch.setattr(binding.checks.torch.cuda, "get_device_properties", lambda index: new_torch)
+        binding.device_props.cache_clear()
+        assert binding.device_props(0).smem_per_block_optin == 232448 and len(asked) == 1
     finally:
-        binding._device_props.cache_clear()
+        binding.device_props.cache_clear()
 
 
 PORTABLE = ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_120", "compute_80"]  # steps 01-07's targets
@@ -150,7 +150,7 @@ PORTABLE = ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_120", "compute_80"]  # step
 def test_code_for_picks_what_the_driver_runs(archs, cc, code):
     """SASS of the GPU's major version and a minor one up to its own ('a': its own alone), the closest; else the
     newest PTX not newer than the GPU; else nothing."""
-    import binding  # common/binding.py, which every step's package carries as _binding.py
+    import binding  # common/binding/, which every step's package carries as _binding
     assert binding.code_for(archs, *cc) == code
 
 
@@ -308,11 +308,11 @@ def test_checks_run_once_per_call(mod, monkeypatch):
     binding, n = mod._binding, seqlen(mod)
     calls = {"check_inputs": 0, "check_scale": 0, "check_types": 0, "check_causal": 0, "check_causal_code": 0}
     for name in calls:
-        real = getattr(binding, name)
+        real = getattr(binding.checks, name)
         def counted(*args, _real=real, _name=name, **kw):
             calls[_name] += 1
             return _real(*args, **kw)
-        monkeypatch.setattr(binding, name, counted)
+        monkeypatch.setattr(binding.checks, name, counted)
     device = "cuda" if has_cuda_gpu() else "meta"  # meta: the op's fake implementation, which checks the same
     q = torch.zeros(1, 2, n, 128, dtype=BF16, device=device)
     mod.attention(q, q, q)

@@ -39,7 +39,7 @@ def test_the_ptxas_report_has_a_block_per_architecture(step, built):
 
 def test_exports_the_abi(step, built):
     lib = ctypes.CDLL(str(steps_mod.DEV / "flashladder" / step / "_kernel.so"))
-    import binding  # common/binding.py (verify.steps puts common/ on sys.path)
+    import binding  # common/binding/ (verify.steps puts common/ on sys.path)
     assert lib.flashladder_abi_version() == binding.ABI_VERSION
     assert lib.flashladder_params_size() == ctypes.sizeof(binding.FwdParams)
     lib.flashladder_archs.restype = ctypes.c_char_p

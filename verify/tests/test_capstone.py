@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from verify import capstone  # noqa: E402
+from verify import capstone, models  # noqa: E402
 from verify import steps as steps_mod  # noqa: E402
 from verify.tests.test_sdpa_router import CPU_LIMITS, binding, stand_in_attention  # noqa: E402
 
@@ -49,7 +49,7 @@ def tiny_config(layers=2):
 def stand_in_step():
     """What the capstone needs of a step module, with the stand-in op behind its router: it routes CPU tensors."""
     return types.SimpleNamespace(
-        info={"step": "stand_in"}, _binding=binding,
+        info={"step": "stand_in"},
         sdpa=lambda strict=False: binding.SdpaRouter(stand_in_attention, CPU_LIMITS, strict, name="stand_in.sdpa"))
 
 
@@ -121,9 +121,9 @@ def cpu_run(diffusers, tmp_path_factory):
     config = tiny_config(layers=1)
     model = capstone.build_transformer(config, "cpu")
     step = stand_in_step()
-    rows = [capstone.Backend("sdpa_default", "SDPA default", contextlib.nullcontext),
-            capstone.Backend("stand_in", "stand-in", lambda: step.sdpa(strict=True)),
-            capstone.Backend("fa3", "FA3", None, "not installed")]
+    rows = [models.Backend("sdpa_default", "SDPA default", contextlib.nullcontext),
+            models.Backend("stand_in", "stand-in", lambda: step.sdpa(strict=True)),
+            models.Backend("fa3", "FA3", None, "not installed")]
     shapes = [(1, 8, 8), (2, 8, 8)]
     logged = []
     result = capstone.benchmark(model, config, shapes, ["eager", "compile"], rows, warmup=1, iters=3, device="cpu",
@@ -229,7 +229,7 @@ def test_regional_compilation_traces_one_block_for_all_and_puts_them_back(diffus
     model = capstone.build_transformer(config, "cpu")
     blocks = list(model.blocks)
     step = stand_in_step()
-    rows = [capstone.Backend("stand_in", "stand-in", lambda: step.sdpa(strict=True))]
+    rows = [models.Backend("stand_in", "stand-in", lambda: step.sdpa(strict=True))]
     result = capstone.benchmark(model, config, [(1, 8, 8)], ["eager", "compile"], rows, warmup=0, iters=1, device="cpu",
                                 compile_backend="aot_eager", compile_scope="blocks", log=lambda *_: None)
     eager, regional = result["runs"]["eager"]["16"]["stand_in"], result["runs"]["compile"]["16"]["stand_in"]

@@ -288,6 +288,26 @@ def test_the_reference_is_torch_s_sdpa(shape, causal):
         assert seen.all()
 
 
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"], ids=str)
+@pytest.mark.parametrize("shape", [(2, 4, 4, 5, 300), (1, 4, 2, 129, 127), (2, 6, 1, 200, 64), (1, 2, 2, 300, 44),
+                                   (1, 2, 2, 3, 0)], ids=lambda s: "x".join(map(str, s)))
+def test_the_torch_reference_is_the_numpy_reference(shape, causal):
+    """attention_reference_torch (what the checks use for inputs on a GPU; here in torch float64 on the CPU) against
+    numpy's attention_reference_of: the same values to ~1e-15, the same rows that see no key (o = 0, lse = -inf
+    exactly), in blocks of rows or in one; at x10 too (peaked rows)."""
+    batch, heads, heads_k, nq, nk = shape
+    for factor in (1.0, 10.0):
+        q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k, factor=factor, device="cpu")
+        want = reference.attention_reference_of(*(t.double().numpy() for t in (q, k, v)), 0.1, causal)
+        for chunk in (None, 2 * heads * max(nk, 1) * 7):  # 7 rows a block
+            got = reference.attention_reference_torch(q, k, v, 0.1, causal, chunk_scores=chunk)
+            for a, b in zip(got, want):
+                assert a.dtype == np.float64 and a.shape == b.shape
+                assert np.array_equal(np.isneginf(a), np.isneginf(b)) and np.allclose(a, b, rtol=1e-13, atol=1e-13)
+    with pytest.raises(ValueError, match="do not divide"):
+        reference.attention_reference_torch(*make_inputs(1, 3, 4, 4, heads_k=2, device="cpu"))
+
+
 def test_the_reference_in_row_blocks_is_the_reference(monkeypatch):
     """attention_reference_of computes blocks of rows of at most chunk_scores scores (a 32K x 32K call would need
     8 GB at once); the blocks give what one block gives, and none is over the limit."""

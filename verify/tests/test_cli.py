@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from verify import __main__ as verify_main
+from verify import machine, runner
 from verify import steps as steps_mod
 from verify.tests.conftest import has_cuda_gpu, needs_gpu
 
@@ -133,11 +134,11 @@ def test_check_steps_a_hung_step_is_killed_and_the_next_step_runs(tmp_path, monk
     """))
     limit, lines = 20, []  # the passing step must start pytest within it on a machine busy with other checks
     t0 = time.monotonic()
-    verdicts = verify_main.check_steps(["step41", "step42", "step43"], limit, tests=tests, log=lines.append)
+    verdicts = runner.check_steps(["step41", "step42", "step43"], limit, tests=tests, log=lines.append)
     elapsed = time.monotonic() - t0
     log = "\n".join(lines)
     assert verdicts["step41"] == "FAILED", log
-    assert verdicts["step42"] == verify_main.verdict(None, limit), log
+    assert verdicts["step42"] == runner.verdict(None, limit), log
     assert verdicts["step42"].startswith(f"FAILED (timed out after {limit} s"), log
     assert verdicts["step43"] == "passed", log
     assert elapsed < limit + 60, f"the hung step was not stopped at its {limit} s limit: {elapsed:.0f} s in all"
@@ -149,11 +150,124 @@ def test_check_steps_a_hung_step_is_killed_and_the_next_step_runs(tmp_path, monk
 
 
 def test_verdicts_of_exit_codes():
-    assert verify_main.verdict(0, 1) == "passed"
-    assert verify_main.verdict(1, 1) == "FAILED"
+    assert runner.verdict(0, 1) == "passed"
+    assert runner.verdict(1, 1) == "FAILED"
     for rc in (None, 2, 3, 4, -9):
-        assert verify_main.verdict(rc, 1).startswith("FAILED ("), rc
-    assert verify_main.verdict(5, 1).startswith("not run")
+        assert runner.verdict(rc, 1).startswith("FAILED ("), rc
+    assert runner.verdict(5, 1).startswith("not run")
+
+
+def test_a_skip_reason_is_said_once_for_every_step_that_gives_it(tmp_path):
+    """Steps that skip tests for one reason (no GPU here) get one line for it, not one each; a reason that names its
+    step counts for each step that gives it; a step that passed shows its verdict alone, one that failed its output."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_fake.py").write_text(textwrap.dedent("""
+        import pytest
+
+        STEPS = ["step41", "step42", "step43"]
+
+        @pytest.mark.parametrize("step", STEPS)
+        @pytest.mark.parametrize("shape", [1, 2])
+        def test_kernel(step, shape):
+            pytest.skip("no CUDA GPU on this machine")
+
+        @pytest.mark.parametrize("step", STEPS)
+        def test_tiling(step):
+            if step != "step43":
+                pytest.skip(f"{step} has one tiling")
+
+        @pytest.mark.parametrize("step", STEPS)
+        def test_result(step):
+            assert step != "step42", "a wrong result"
+    """))
+    lines = []
+    verdicts = runner.check_steps(["step41", "step42", "step43"], 120, tests=tests, log=lines.append, jobs=2)
+    log = "\n".join(lines).splitlines()
+    assert verdicts == {"step41": "passed", "step42": "FAILED", "step43": "passed"}, log
+    assert [ln for ln in log if "no CUDA GPU" in ln] == ["  skipped 6 tests (steps 41-43): no CUDA GPU on this machine"], log
+    assert [ln for ln in log if "one tiling" in ln] == ["  skipped 2 tests (steps 41-42): the step has one tiling"], log
+    assert not [ln for ln in log if ln.startswith("SKIPPED")], log
+    assert any("a wrong result" in ln for ln in log), "the failed step's output is not shown"
+    for step in ("step41", "step43"):
+        assert [ln for ln in log if step in ln and not ln.startswith("-- ")] == [], f"{step} passed: its verdict alone"
+    ends = [ln for ln in log if ln.startswith("-- step4") and "pytest -k" not in ln]
+    assert len(ends) == 3 and ends[-1].endswith("[3 of 3 steps checked]"), ends
+    assert any("of 3 steps checked, about" in ln for ln in ends[:2]), ends  # an estimate once a step has ended
+
+
+# Test files with tests of both kinds, each kind for every step (collecting the whole folder four times takes minutes).
+MIXED = ["test_steps_gpu.py", "test_errors.py", "test_sdpa_router.py"]
+
+
+def collected(selection: str, steps: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", *(str(runner.TESTS / f) for f in MIXED), "--collect-only", "-q",
+                          "-p", "no:cacheprovider",
+                          *(["-k", selection] if selection else [])], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "FLASHLADDER_STEPS": steps}, timeout=600)
+    assert out.returncode in (0, 5), out.stdout + out.stderr
+    return {ln for ln in out.stdout.splitlines() if "::" in ln}
+
+
+def test_the_steps_processes_and_the_one_beside_them_run_every_test_once():
+    """python -m verify on verify/tests: each step's process takes the step's tests that need the GPU (conftest.py's
+    on_gpu keyword), the processes beside them everything else; together every test, each once (in the files MIXED)."""
+    steps = steps_mod.all_steps()[:2]
+    every = collected("", ",".join(steps))
+    parts = {s: collected(runner.step_selection(s, gpu_only=True), ",".join(steps)) for s in steps}
+    parts["others"] = collected(runner.others_selection(steps, gpu_only=True), ",".join(steps))
+    assert set.union(*parts.values()) == every, sorted(every - set.union(*parts.values()))[:5]
+    assert sum(map(len, parts.values())) == len(every), "a test runs in two processes"
+    for s in steps:
+        assert parts[s] and all(s in t for t in parts[s]), sorted(parts[s])[:5]
+        assert any(t.startswith("verify/tests/test_steps_gpu.py::") for t in parts[s])
+        assert any(t.startswith("verify/tests/test_errors.py::") and f"[{s}" in t for t in parts["others"]), \
+            f"{s}'s tests that need no GPU (bad input) should run beside, once"
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["pass", "fail"])
+def test_the_other_tests_run_a_file_a_process_side_by_side(tmp_path, fails):
+    """check_others with jobs > 1: each test file in a process of its own; one verdict for all (FAILED if one file
+    failed, its output shown), their counts summed; a file with no test selected is no failure; junit XML per file."""
+    tests, out = tmp_path / "tests", tmp_path / "out"
+    tests.mkdir()
+    out.mkdir()
+    (tests / "test_a.py").write_text("def test_one():\n    pass\n\ndef test_two():\n    pass\n")
+    (tests / "test_b.py").write_text(f"import pytest\n\ndef test_three():\n    assert not {fails}, 'a wrong result'\n\n"
+                                     "def test_four():\n    pytest.skip('nothing to see here')\n")
+    (tests / "test_c.py").write_text("def test_step41_only():\n    pass\n")  # deselected: a step's test
+    lines = []
+    outcome = runner.check_others(["step41"], 120, out, tests, log=lines.append, stream=False, jobs=2)
+    log = "\n".join(lines)
+    assert outcome == ("FAILED" if fails else "passed"), log
+    end = [ln for ln in log.splitlines() if ln.startswith("-- other tests: ")]
+    assert len(end) == 1 and end[0].endswith(f"s; {'2' if fails else '3'} passed{', 1 failed' if fails else ''}, 1 skipped)"), end
+    assert ("a wrong result" in log) == fails and ("-- other tests, test_b.py: FAILED" in log) == fails, log
+    assert "  skipped 1 test (other tests): nothing to see here" in log.splitlines(), log
+    assert {p.name for p in out.glob("*.xml")} == {"others-test_a.xml", "others-test_b.xml", "others-test_c.xml"}
+
+
+def test_the_estimate_of_what_remains(tmp_path):
+    """The steps still waiting, dealt to the free processes; each step expected to take its time of the last run, or
+    without one the mean of the steps done so far."""
+    now = [0.0]
+    p = runner.Progress(["step01", "step02", "step03", "step04", "step05"], jobs=2, clock=lambda: now[0])
+    p.start("step01")
+    p.start("step02")
+    assert p.left_s() is None and p.words() == "0 of 5 steps checked"  # nothing tells yet
+    now[0] = 60.0
+    p.finish("step01")
+    p.start("step03")
+    now[0] = 80.0
+    # step02 and step03: 60 s each, 80 and 20 s in; step04 on the first free process (at 0 s), step05 on the next (40 s)
+    assert p.left_s() == pytest.approx(100.0) and p.words() == "1 of 5 steps checked, about 2 min left"
+    last = runner.Progress(["step01", "step02"], jobs=1, last={"step01": 30.0, "step02": 600.0}, clock=lambda: 0.0)
+    assert last.left_s() == pytest.approx(630.0) and last.words() == "0 of 2 steps checked, about 10 min left"
+    times = tmp_path / "times.json"
+    runner.save_times({"step01": 12.34}, times)
+    runner.save_times({"step02": 5.0}, times)
+    assert runner.load_times(times) == {"step01": 12.3, "step02": 5.0}
+    assert runner.load_times(tmp_path / "none.json") == {}
 
 
 @pytest.mark.parametrize("outcome", ["pass", "fail"])
@@ -181,6 +295,8 @@ def test_verify_writes_to_out(tmp_path, outcome):
     for name, n_tests in ((step, 1), ("others", 1)):
         xml = (out / "checks" / f"{name}.xml").read_text()
         assert f'tests="{n_tests}"' in xml, xml
+        transcript = (out / "checks" / f"{name}.txt").read_text()  # pytest's whole output, whatever the log showed
+        assert ("1 passed" if outcome == "pass" or name == "others" else "1 failed") in transcript, transcript
 
 
 @pytest.fixture(scope="session")
@@ -212,7 +328,7 @@ def test_a_hung_kernel_fails_its_check_in_time(hang_so, tmp_path):
     """))
     limit, lines = 15, []
     t0 = time.monotonic()
-    verdicts = verify_main.check_steps(["step42"], limit, tests=tmp_path, log=lines.append)
+    verdicts = runner.check_steps(["step42"], limit, tests=tmp_path, log=lines.append)
     elapsed = time.monotonic() - t0
     assert verdicts["step42"].startswith("FAILED (timed out"), "\n".join(lines)
     assert elapsed < limit + 60, f"{elapsed:.0f} s for a {limit} s limit"
@@ -420,7 +536,7 @@ def test_the_steps_this_gpu_cannot_run_are_named_with_why(built):
                                           ("NVIDIA A100-SXM4-80GB", "a100-sxm4-80gb"), ("NVIDIA RTX 6000 Ada Generation",
                                                                                       "rtx-6000-ada-generation")])
 def test_results_go_to_a_folder_named_after_the_gpu(name, folder):
-    assert verify_main.results_folder(name) == folder
+    assert machine.results_folder(name) == folder
 
 
 def test_the_build_line_says_what_each_group_of_steps_is_built_for():

@@ -331,7 +331,7 @@ GRID = (2, 8, 8)  # 32 tokens: 16 a rank
 def stand_in_step():
     """What verify.cp needs of a step module, the stand-in op behind it (it takes CPU tensors)."""
     return types.SimpleNamespace(
-        __name__="stand_in", info={"step": "stand_in"}, _binding=binding, attention=stand_in_lse,
+        __name__="stand_in", info={"step": "stand_in"}, attention=stand_in_lse,
         sdpa=lambda strict=False: binding.SdpaRouter(stand_in_attention, CPU_LIMITS, strict, name="stand_in.sdpa"))
 
 

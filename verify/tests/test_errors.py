@@ -1,5 +1,5 @@
 """Bad input raises a clear Python exception naming the problem, before any launch: every check of the binding
-(common/binding.py) is reached by a test here.
+(common/binding/) is reached by a test here.
 
 The metadata checks run on CPU tensors too (so CI without a GPU tests them), and on meta tensors (no memory
 behind them) for sizes no GPU could hold; the alignment and overlap checks need a GPU. The GPU's own check (its
@@ -285,14 +285,14 @@ H200 = ("NVIDIA H200", 9, 0, 227 * 1024)
 def fake_gpu(mod, monkeypatch, name, major, minor, smem_per_block_optin):
     """Replace the binding's device-properties function (its only source for the GPU's properties)."""
     device = mod._binding.Device(name, major, minor, smem_per_block_optin)
-    monkeypatch.setattr(mod._binding, "_device_props", lambda index: device)
+    monkeypatch.setattr(mod._binding.checks, "device_props", lambda index: device)
     return device
 
 
 def call_on_cpu_past_the_metadata_checks(mod, monkeypatch):
     """The op's own launch path, with CPU tensors: the metadata checks (which refuse CPU tensors) waved through, so
     that the GPU check before the launch is what the call meets (device index 0)."""
-    monkeypatch.setattr(mod._binding, "check_inputs", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mod._binding.checks, "check_inputs", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     mod.attention(*qkv(mod, device="cpu"))
 
@@ -300,7 +300,8 @@ def call_on_cpu_past_the_metadata_checks(mod, monkeypatch):
 def check_gpu(mod):
     """The check the launch makes, alone: the step's architectures and shared memory against the (faked) GPU."""
     info = mod.info
-    mod._binding.check_device(info["step"], info["archs"], info["smem_bytes"], mod._binding._device_props(0), "cuda:0")
+    checks = mod._binding.checks
+    checks.check_device(info["step"], info["archs"], info["smem_bytes"], checks.device_props(0), "cuda:0")
 
 
 def portable(mod) -> bool:
@@ -382,7 +383,7 @@ def test_binding_raises_on_a_failed_launch(mod, monkeypatch):
         params = real(*args)
         params.seqlen_q = 0
         return params
-    monkeypatch.setattr(binding, "make_params", no_query_blocks)
+    monkeypatch.setattr(binding.abi, "make_params", no_query_blocks)
     expect(mod, "kernel launch failed: .*invalid.*\\(cudaError \\d+\\)", *qkv(mod, device="cuda"), exc=RuntimeError)
 
 

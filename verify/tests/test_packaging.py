@@ -129,8 +129,11 @@ def test_sdist_builds_on_its_own_into_a_py3_none_wheel(tmp_path):
     with tarfile.open(sdist) as tar:
         members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
         tar.extractall(tmp_path / "unpacked", filter="data")
-    needed = {"kernel.cu", "pkg/__init__.py", "setup.py", "pyproject.toml", "README.md", "LICENSE", "common/binding.py",
-              "common/build_step.py", *(f"common/{h}" for h in included_headers(step / "kernel.cu", ROOT / "common"))}
+    binding = [f.relative_to(ROOT / "common").as_posix() for f in sorted((ROOT / "common" / "binding").glob("*.py"))]
+    assert "binding/__init__.py" in binding and len(binding) > 1, binding
+    needed = {"kernel.cu", "pkg/__init__.py", "setup.py", "pyproject.toml", "README.md", "LICENSE", "common/build_step.py",
+              *(f"common/{f}" for f in binding),
+              *(f"common/{h}" for h in included_headers(step / "kernel.cu", ROOT / "common"))}
     assert needed <= members, f"{sdist.name} lacks {sorted(needed - members)}"
 
     unpacked = next((tmp_path / "unpacked").iterdir())
@@ -144,7 +147,8 @@ def test_sdist_builds_on_its_own_into_a_py3_none_wheel(tmp_path):
         files = set(whl.namelist())
         metadata = whl.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
         root_is_purelib = whl.read(next(f for f in files if f.endswith(".dist-info/WHEEL"))).decode()
-    package = {f"flashladder/{name}/{f}" for f in ("__init__.py", "_binding.py", "_kernel.so", "_ptxas.txt", "LICENSE")}
+    package = {f"flashladder/{name}/{f}" for f in ("__init__.py", "_kernel.so", "_ptxas.txt", "LICENSE",
+                                                   *(f.replace("binding/", "_binding/", 1) for f in binding))}
     assert package <= files, f"{wheel.name} lacks {sorted(package - files)}"
     assert "License-Expression: MIT" in metadata
     assert re.findall(r"^Requires-Dist: (.+)$", metadata, re.M) == ["torch>=2.4", "numpy"], metadata
@@ -237,7 +241,7 @@ RUN_NOT_IMPORTED = {"setuptools", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm
 
 def test_requirements_are_what_verify_imports():
     local = {"verify", "binding", "build_step", "flashladder"}
-    plain, guarded = third_party_imports([*(ROOT / "verify").rglob("*.py"), ROOT / "common" / "binding.py"])
+    plain, guarded = third_party_imports([*(ROOT / "verify").rglob("*.py"), *(ROOT / "common" / "binding").glob("*.py")])
     listed = requirement_names()
     assert plain - local <= listed, f"verify imports {sorted(plain - local - listed)}: add them to requirements-verify.txt"
     assert listed - RUN_NOT_IMPORTED <= plain | guarded, \

@@ -21,10 +21,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from verify import prefill  # noqa: E402
+from verify import models, prefill  # noqa: E402
 from verify.tests.test_capstone import optional  # noqa: E402
 
-binding = importlib.import_module("binding")  # common/binding.py, on sys.path through verify.steps (prefill imports it)
+binding = importlib.import_module("binding")  # common/binding/, on sys.path through verify.steps (prefill imports it)
 
 ROOT = Path(__file__).resolve().parents[2]
 F = torch.nn.functional
@@ -158,7 +158,7 @@ def test_every_attention_call_of_a_prefill_reaches_the_stand_in_causal_with_fewe
         assert call["q"] == (1, TINY["num_attention_heads"], TOKENS, 128)
         assert call["k"] == call["v"] == (1, TINY["num_key_value_heads"], TOKENS, 128)
         assert call["scale"] == pytest.approx(128**-0.5)
-    agree = prefill.capstone.agreement(routed, plain)
+    agree = models.agreement(routed, plain)
     assert agree["cosine"] > 0.9999 and agree["rel_err"] < 2e-2  # the stand-in computes what SDPA does
 
 
@@ -174,7 +174,7 @@ def test_a_stand_in_without_causal_gets_no_call():
 # ---------------------------------------------------------------- the rows
 
 def fake_step(causal=True, gqa=True, attention=None):
-    return types.SimpleNamespace(info={"step": "step15", "causal": causal, "gqa": gqa}, _binding=binding,
+    return types.SimpleNamespace(info={"step": "step15", "causal": causal, "gqa": gqa},
                                  sdpa=lambda strict=False: stand_in_router(attention or StandIn(), strict))
 
 
@@ -218,7 +218,7 @@ def cpu_run(tiny, tmp_path_factory):
     step = fake_step(attention=stand_in)
     rows = prefill.backends(step, fa3=(None, "not installed (test)"))
     nothing = binding.SdpaLimits("nothing", devices=("meta",), features=FEATURES)
-    rows.append(prefill.capstone.Backend("strict_nowhere", "nowhere", lambda: binding.SdpaRouter(StandIn(), nothing, True)))
+    rows.append(models.Backend("strict_nowhere", "nowhere", lambda: binding.SdpaRouter(StandIn(), nothing, True)))
     logged = []
     result = prefill.benchmark(tiny, prefill.make_inputs(TINY, TOKENS, "cpu"), rows, warmup=2, warmup_s=0.0, iters=3,
                                device="cpu", log=logged.append)

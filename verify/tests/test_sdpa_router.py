@@ -1,4 +1,4 @@
-"""The SDPA drop-in (common/binding.py's route_reason and SdpaRouter; every step's `sdpa()`).
+"""The SDPA drop-in (common/binding/router.py's route_reason and SdpaRouter; every step's `sdpa()`).
 
 CPU: what routes and what falls back, and why, from the call's metadata alone (route_reason on described meta
 tensors, a GPU faked where it matters); positional and keyword calls; the counts; strict mode; nested routers; a router
@@ -25,7 +25,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left  # noq
 from verify import steps as steps_mod  # noqa: E402
 from verify.tests.conftest import needs_gpu  # noqa: E402
 
-binding = importlib.import_module("binding")  # common/binding.py, on sys.path through verify.steps
+binding = importlib.import_module("binding")  # common/binding/, on sys.path through verify.steps
 
 BF16 = torch.bfloat16
 LIMITS = binding.SdpaLimits("stepX", seqlen_multiple=(64, 64), archs=("sm_90a",))  # a step built for Hopper alone
@@ -53,7 +53,7 @@ def described(args, kwargs=None, device="cuda:0"):
 
 @pytest.fixture
 def on_h200(monkeypatch):
-    monkeypatch.setattr(binding, "_device_props", lambda index: H200)
+    monkeypatch.setattr(binding.checks, "device_props", lambda index: H200)
 
 
 def qkv(b=1, h=2, n=128, nk=None, d=128, **kw):
@@ -238,7 +238,7 @@ def test_a_nested_tensor_falls_back():
 
 
 def test_a_gpu_the_step_cannot_run_on_falls_back_naming_it(monkeypatch):
-    monkeypatch.setattr(binding, "_device_props", lambda index: RTX_4090)
+    monkeypatch.setattr(binding.checks, "device_props", lambda index: RTX_4090)
     assert binding.route_reason(described(qkv()), LIMITS, False) == \
         "needs an sm_90 GPU (H100/H200; built for sm_90a alone), but cuda:0 is NVIDIA GeForce RTX 4090 (pretend) (sm_89)"
     small = LIMITS._replace(archs=("sm_80", "compute_80"), smem_bytes=100 * 1024)
@@ -485,7 +485,7 @@ def test_a_router_is_off_after_its_with_and_after_an_exception():
         with router() as r2:
             F.scaled_dot_product_attention(q, k, v)
             1 / 0
-    assert stack_depth() == depth and not binding._active_routers()
+    assert stack_depth() == depth and not binding.router._active_routers()
     F.scaled_dot_product_attention(q, k, v)
     assert r2.routed == 1
 
@@ -511,7 +511,7 @@ def test_a_step_takes_fake_cuda_tensors_on_a_gpu_it_runs_on(mod, monkeypatch, gp
     (its op's fake implementation gives O); on a faked RTX 4090 steps 01-07 route and the Hopper steps fall back,
     saying why."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    monkeypatch.setattr(mod._binding, "_device_props", lambda index: gpu)
+    monkeypatch.setattr(mod._binding.checks, "device_props", lambda index: gpu)
     n = math.lcm(mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"], 64)
     with FakeTensorMode():
         q = torch.empty(1, 2, n, 128, dtype=BF16, device="cuda")
@@ -531,7 +531,7 @@ def test_a_step_s_router_takes_causal_and_grouped_calls_where_the_step_does(mod,
     go to a step with info["causal"] and info["gqa"] (its op's fake implementation, causal code and all), and fall back
     from the others, saying why."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    monkeypatch.setattr(mod._binding, "_device_props", lambda index: H200)
+    monkeypatch.setattr(mod._binding.checks, "device_props", lambda index: H200)
     n = math.lcm(mod.info["seqlen_multiple_q"], mod.info["seqlen_multiple_k"], 64)
     bias = causal_lower_right(n, n)  # made outside the fake mode (a tensor subclass of its own)
     with FakeTensorMode():

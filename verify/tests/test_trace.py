@@ -158,15 +158,35 @@ def exports_trace(so: Path) -> bool:
     return hasattr(ctypes.CDLL(str(so)), "flashladder_trace_read_warp")
 
 
-def test_tracing_costs_nothing_when_off(traced_step, built, trace_built, cuobjdump, tmp_path):
+UNTRACED = steps_mod.ROOT / "build" / "trace-off"  # each traced step's source without its trace lines (src/), and its build
+
+
+def build_untraced(step: str) -> Path:
+    """The step's source without its trace lines, built as the normal build is (build_step.compile_step, cached by
+    content like every build: a source whose trace lines alone changed is not compiled again). Returns its library."""
+    stripped = UNTRACED / "src" / step  # a step folder holding the source without its trace lines
+    (stripped / "pkg").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(kernel_cu(step).parent / "pkg" / "__init__.py", stripped / "pkg" / "__init__.py")
+    text = strip_trace(kernel_cu(step).read_text())
+    assert "TRACE_EVENT" not in text and "TRACE_SPAN" not in text, f"{step}: a trace line left after stripping"
+    if not (stripped / "kernel.cu").is_file() or (stripped / "kernel.cu").read_text() != text:
+        (stripped / "kernel.cu").write_text(text)
+    build_step.compile_step(stripped, UNTRACED / step)  # the normal build's command, on the stripped source
+    return UNTRACED / step / "_kernel.so"
+
+
+@pytest.fixture(scope="session")
+def untraced_built():
+    """build_untraced of the selected steps that have trace points, side by side (nvcc: a minute each)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor() as pool:
+        return dict(zip(trace.traced_steps(selected_steps()), pool.map(build_untraced, trace.traced_steps(selected_steps()))))
+
+
+def test_tracing_costs_nothing_when_off(traced_step, built, trace_built, untraced_built, cuobjdump):
     """The normal build's machine code is that of the source without the trace lines, instruction for instruction,
     and it exports no trace function. The same comparison tells the trace build apart (so it can fail)."""
-    stripped = tmp_path / traced_step  # a step folder holding the source without its trace lines
-    shutil.copytree(kernel_cu(traced_step).parent / "pkg", stripped / "pkg")
-    (stripped / "kernel.cu").write_text(strip_trace(kernel_cu(traced_step).read_text()))
-    assert "TRACE_EVENT" not in (stripped / "kernel.cu").read_text() and "TRACE_SPAN" not in (stripped / "kernel.cu").read_text()
-    build_step.compile_step(stripped, tmp_path / "out")  # the normal build's command, on the stripped source
-    without = sass(cuobjdump, tmp_path / "out" / "_kernel.so")
+    without = sass(cuobjdump, untraced_built[traced_step])
     normal_so = steps_mod.DEV / "flashladder" / traced_step / "_kernel.so"
     normal = sass(cuobjdump, normal_so)
     diff = next((f"{a} vs {b}" for a, b in zip(normal, without) if a != b), f"{len(normal)} vs {len(without)} instructions")

@@ -1,0 +1,87 @@
+"""The C ABI of a step's library (common/flashladder.cuh), as ctypes sees it: loading _kernel.so and declaring its
+functions, the mirror of `struct FwdParams` and the checks that the library and this binding agree (the ABI version,
+the struct's size), and the FwdParams of one launch."""
+import ctypes
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+HEAD_DIM = 128
+ABI_VERSION = 5      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
+FEATURE_CAUSAL, FEATURE_GQA = 1, 2  # bits of flashladder_features() (common/flashladder.cuh)
+# The `causal` argument: False (every key), or which corner the diagonal starts from when seqlen_q != seqlen_k:
+# "top_left" (SDPA's is_causal=True: row i sees keys 0..i) or "bottom_right" (torch's causal_lower_right, a KV cache's:
+# the last row sees every key). The op takes the code below; the kernel gets an offset instead (make_params: 0, or
+# seqlen_k - seqlen_q): row i sees key j iff j <= i + offset.
+CAUSAL = {"top_left": 1, "bottom_right": 2}
+
+
+class FwdParams(ctypes.Structure):
+    """Mirror of `struct FwdParams` in common/flashladder.cuh, field by field."""
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p), ("lse", ctypes.c_void_p),
+        ("q_stride", ctypes.c_int64 * 3), ("k_stride", ctypes.c_int64 * 3),
+        ("v_stride", ctypes.c_int64 * 3), ("o_stride", ctypes.c_int64 * 3),
+        ("batch", ctypes.c_int32), ("heads", ctypes.c_int32),
+        ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("heads_k", ctypes.c_int32), ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
+        ("workspace", ctypes.c_void_p),
+    ]
+
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """A step's _kernel.so, its C ABI declared to ctypes and checked against this binding (version, FwdParams).
+    Public: verify.trace loads a step's normal build with it, beside the traced one it imports."""
+    if not path.exists():
+        raise ImportError(f"{path} is missing: build the step first (pip install steps/<step>, or python -m verify)")
+    lib = ctypes.CDLL(str(path))
+    lib.flashladder_abi_version.restype = ctypes.c_int
+    lib.flashladder_params_size.restype = ctypes.c_int
+    lib.flashladder_seqlen_multiple_q.restype = ctypes.c_int
+    lib.flashladder_seqlen_multiple_k.restype = ctypes.c_int
+    lib.flashladder_error_string.restype = ctypes.c_char_p
+    lib.flashladder_error_string.argtypes = [ctypes.c_int]
+    lib.flashladder_fwd.restype = ctypes.c_int
+    lib.flashladder_fwd.argtypes = [ctypes.POINTER(FwdParams), ctypes.c_void_p]
+    if lib.flashladder_abi_version() != ABI_VERSION:
+        raise ImportError(f"{path} was built for ABI {lib.flashladder_abi_version()}, this binding speaks {ABI_VERSION}: rebuild it")
+    lib.flashladder_archs.restype = ctypes.c_char_p
+    lib.flashladder_loaded_code.restype = ctypes.c_int
+    lib.flashladder_loaded_code.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+    if hasattr(lib, "flashladder_smem_bytes"):
+        lib.flashladder_smem_bytes.restype = ctypes.c_int
+    if hasattr(lib, "flashladder_features"):
+        lib.flashladder_features.restype = ctypes.c_int
+    if hasattr(lib, "flashladder_workspace_bytes"):
+        lib.flashladder_workspace_bytes.restype = ctypes.c_int64
+        lib.flashladder_workspace_bytes.argtypes = [ctypes.c_int]
+    if hasattr(lib, "flashladder_pair_min_seqlen_k"):
+        lib.flashladder_pair_min_seqlen_k.restype = ctypes.c_int
+        lib.flashladder_pair_min_seqlen_k.argtypes = [ctypes.c_int]
+    if lib.flashladder_params_size() != ctypes.sizeof(FwdParams):
+        raise ImportError(f"{path}: sizeof(FwdParams) is {lib.flashladder_params_size()} in the library but "
+                          f"{ctypes.sizeof(FwdParams)} in the binding's ctypes mirror: the two disagree, fix the mirror")
+    return lib
+
+
+def kernel_strides(t: torch.Tensor) -> tuple:
+    """The batch, head and row strides the kernel gets. A dimension of size <= 1 is never stepped over, so its
+    stride means nothing (torch keeps odd ones, e.g. 1 for a batch of 1 after a transpose); it becomes the
+    contiguous stride, a multiple of 8 elements, which later steps' TMA tensor maps need (16-byte strides)."""
+    contiguous = (t.shape[1] * t.shape[2] * HEAD_DIM, t.shape[2] * HEAD_DIM, HEAD_DIM)
+    return tuple(s if n > 1 else c for n, s, c in zip(t.shape[:3], t.stride()[:3], contiguous))
+
+
+def make_params(q, k, v, o, lse, scale: float, causal: int = 0, workspace: Optional[int] = None) -> FwdParams:
+    """FwdParams for one launch; strides as the checks saw them (kernel_strides); causal as checks.check_causal gives it;
+    workspace: the address of the step's workspace (None: the step runs without one)."""
+    def strides(t):
+        return (ctypes.c_int64 * 3)(*kernel_strides(t))
+    offset = k.shape[2] - q.shape[2] if causal == CAUSAL["bottom_right"] else 0
+    return FwdParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                     strides(q), strides(k), strides(v), strides(o),
+                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset, workspace)
