@@ -2,7 +2,7 @@
 //
 // Each step is one shared library (_kernel.so) with a plain C ABI, loaded from Python with ctypes:
 // no libtorch, no pybind11, so one build serves every torch version. The Python side
-// (common/binding.py) validates the tensors, fills a FwdParams, and calls
+// (common/binding/) validates the tensors, fills a FwdParams, and calls
 //
 //     int flashladder_fwd(const FwdParams* params, cudaStream_t stream);   // returns a cudaError_t
 //
@@ -48,7 +48,7 @@ constexpr float LN2 = 0.6931471805599453f;    // ln(2): log(x) = log2(x) * LN2, 
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Everything a forward call needs. Mirrored field by field in common/binding.py (ctypes).
+// Everything a forward call needs. Mirrored field by field in common/binding/abi.py (ctypes).
 // Strides are in elements; the last dimension (HEAD_DIM) is contiguous (stride 1) for all four tensors.
 struct FwdParams {
     const void* q;        // bf16 [batch, heads, seqlen_q, HEAD_DIM]

@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--readme", choices=["auto", "yes", "no"], default="auto",
                     help="regenerate the README table (auto: only after a run of every step at every N)")
     ap.add_argument("--report", metavar="RESULTS_JSON",
-                    help="no GPU work: regenerate the README table and results/latest.png from a results file")
+                    help="no GPU work: regenerate the README table and results/latest.png from a results file "
+                         "(with --steps: only those of its steps)")
     ap.add_argument("--update-steps-table", action="store_true",
                     help="no GPU work: regenerate the README's list of steps from steps/*/kernel.cu")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel nvcc builds")
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
 
     from verify import report
     if args.report:
-        return regenerate(Path(args.report))
+        return regenerate(Path(args.report), args.steps)
     if args.update_steps_table:
         return 0 if report.update_readme(ROOT / "README.md", None, None) else 1
     # What is missing here is said first, in one line: before the minutes that building every step takes.
@@ -249,10 +250,13 @@ def resources_in_words(step: str, report: dict) -> list[str]:
             for kernel, by_resources in kernels.items()]
 
 
-def regenerate(json_path: Path) -> int:
-    """README table + results/latest.png from a results file a GPU run wrote (and that is committed)."""
+def regenerate(json_path: Path, steps: list[str] | None = None) -> int:
+    """README table + results/latest.png from a results file a GPU run wrote (and that is committed); `steps`: only
+    those of its steps (where the others' kernels changed since the run)."""
     from verify import report
     run = report.load(json_path)
+    if steps:
+        run = report.only_steps(run, steps)
     report.chart(run, ROOT / "results" / "latest.png")
     ok = report.update_readme(ROOT / "README.md", report.markdown_table(run), "results/latest.png")
     log(report.console_table(run))

@@ -3,7 +3,7 @@
     python -m verify.capstone                            # Wan2.1-T2V-1.3B's denoiser, random weights: 32760 and 37632 tokens
     python -m verify.capstone --quick                    # a smoke run: 2 layers at 1024 tokens, eager, a few forwards
     python -m verify.capstone --shapes 32760 --modes compile --iters 7
-    python -m verify.capstone --report results/h200/capstone-<timestamp>.json   # no GPU: README section + chart
+    python -m verify.capstone --report results/h200/capstone-<timestamp>.json   # no GPU: the docs/capstone.md section + chart
     python -m verify.capstone --checkpoint DIR --prompt "a red fox in the snow"  # a sample video (Wan2.1-T2V-1.3B-Diffusers)
     python -m verify.capstone --tiny-pipeline --prompt "a test"                   # the same path on a tiny random pipeline
 
@@ -15,7 +15,7 @@ so every attention call must go to the step), and FlashAttention-3 through the s
 imports (a reference row, never a dependency). In eager and under torch.compile: a fresh compile per backend (the
 drop-in must be active while compiling, and the SDPA backend is chosen while tracing). Every output is compared
 with SDPA's default (same mode, same shape, same inputs). Writes results/<gpu>/capstone-<timestamp>.json and a chart
-beside it; the README's capstone section is generated from that file.
+beside it; docs/capstone.md's capstone section is generated from that file.
 
 diffusers (and transformers, imageio, imageio-ffmpeg for the sample videos) are optional: pip install -r
 requirements-capstone.txt. What a run lacks it says first, in one line.
@@ -206,7 +206,7 @@ def speedups(runs: dict) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- the results file, the chart, the README section
+# ---------------------------------------------------------------- the results file, the chart, the docs/capstone.md section
 
 def results_path(meta_gpu: str, root: Path = ROOT, stamp: str | None = None) -> Path:
     return models.results_path("capstone", meta_gpu, root, stamp)
@@ -302,7 +302,7 @@ def counts_note(run: dict) -> str:
 
 
 def markdown(run: dict) -> str:
-    """The README's capstone section body, all of it from the results file."""
+    """The capstone section's body (docs/capstone.md), all of it from the results file."""
     meta, t = run["meta"], run["timing"]
     clocks = meta.get("clocks") or {}
     clock = f", SM clock {clocks['clocks.sm']} (max {clocks.get('clocks.max.sm', '?')}) at the start" if clocks.get("clocks.sm") else ""
@@ -346,7 +346,7 @@ def is_full(run: dict) -> bool:
 
 
 def newest_full_run(root: Path = ROOT) -> dict | None:
-    """The newest run of record under results/ (what the README shows), or None."""
+    """The newest run of record under results/ (what docs/capstone.md shows), or None."""
     return newest_run(CAPSTONE_GLOB, lambda r: r.get("kind") == "capstone" and is_full(r), root)
 
 
@@ -578,16 +578,16 @@ def make_parser():
                          "compilation: one compile of a block serves all 30, several times faster to compile)")
     ap.add_argument("--out", type=Path, metavar="DIR", help="also copy the results JSON and PNG (or the sample's files) here")
     ap.add_argument("--readme", choices=["auto", "yes", "no"], default="auto",
-                    help="regenerate the README's capstone section (auto: after a run of both shapes of record in both modes)")
+                    help="regenerate docs/capstone.md's capstone section (auto: after a run of both shapes of record in both modes)")
     ap.add_argument("--report", type=Path, metavar="RESULTS_JSON",
-                    help="no GPU work: regenerate the README section and the chart from a capstone results file")
+                    help="no GPU work: regenerate the docs/capstone.md section and the chart from a capstone results file")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS_JSON",
                     help="no GPU work: one results file of several partial runs (e.g. --shapes 32760, then --shapes 37632), "
-                         "then the README section as after a full run")
+                         "then the docs/capstone.md section as after a full run")
     ap.add_argument("--withdraw", metavar="MODE:BACKEND,...",
                     help="with --merge: cells found wrong after the run (e.g. compile:sdpa_flash), left out of the record "
                          "with the reason given by --why")
-    ap.add_argument("--why", default="", help="with --withdraw: the reason, kept in the record and shown in the README")
+    ap.add_argument("--why", default="", help="with --withdraw: the reason, kept in the record and shown in docs/capstone.md")
     ap.add_argument("--checkpoint", type=Path, metavar="DIR",
                     help="a sample video: WanPipeline from this local Wan2.1-T2V-1.3B-Diffusers folder")
     ap.add_argument("--tiny-pipeline", action="store_true", help="a sample video from a tiny random pipeline built in-process (noise)")
@@ -635,8 +635,8 @@ def run_benchmark(args, log) -> int:
                  sdpa_default=sdpa_default_backend(device), seconds=time.time() - t0)
     write_results(run, json_path, args.out, log)
     if args.readme == "yes" or (args.readme == "auto" and is_full(json.loads(json_path.read_text()))):
-        if update_readme(ROOT / "README.md", run):
-            log("README.md capstone section regenerated")
+        if update_readme(models.MODELS_PAGE, run):
+            log("docs/capstone.md: capstone section regenerated")
     log("")
     log(console_summary(run))
     failed = [f"{m} {t} {n}" for m in modes for t, cells in run["runs"][m].items() for n, c in cells.items()
@@ -667,7 +667,7 @@ def run_sample(args, log) -> int:
     log(sample_summary(result))
     if tiny:
         log("(a tiny pipeline of random weights: the video is noise. A real sample: --checkpoint with a downloaded "
-            "Wan2.1-T2V-1.3B-Diffusers folder; see the README)")
+            "Wan2.1-T2V-1.3B-Diffusers folder; see docs/capstone.md)")
     return 0
 
 
@@ -686,9 +686,10 @@ def main(argv=None) -> int:
             ap.error(f"argument --report: {args.report} is not a file")
         run = json.loads(args.report.read_text())
         chart(run, args.report.with_suffix(".png"))
-        ok = update_readme(ROOT / "README.md", run)
+        ok = update_readme(models.MODELS_PAGE, run)
         log(console_summary(run))
-        log(f"README.md {'capstone section regenerated' if ok else 'has no capstone markers'}; chart: {args.report.with_suffix('.png')}")
+        log(f"docs/capstone.md {'capstone section regenerated' if ok else 'has no capstone markers'}; "
+            f"chart: {args.report.with_suffix('.png')}")
         return 0 if ok else 1
     if args.merge:
         missing = [str(p) for p in args.merge if not p.is_file()]
@@ -703,8 +704,8 @@ def main(argv=None) -> int:
             ap.error(f"argument --merge: {e}")
         json_path = write_results(run, ROOT / run["path"], args.out, log)
         if args.readme == "yes" or (args.readme == "auto" and is_full(json.loads(json_path.read_text()))):
-            if update_readme(ROOT / "README.md", run):
-                log("README.md capstone section regenerated")
+            if update_readme(models.MODELS_PAGE, run):
+                log("docs/capstone.md: capstone section regenerated")
         log(console_summary(run))
         return 0
     if args.checkpoint and args.tiny_pipeline:

@@ -276,10 +276,17 @@ def newest_run(pattern: str, accept, root: Path = ROOT) -> dict | None:
     return accepted[-1] if accepted else None
 
 
+# The page that holds the capstone's and the prefill's generated sections.
+MODELS_PAGE = ROOT / "docs" / "capstone.md"
+
+
 def write_readme_section(readme: Path, begin: str, end: str, text: str) -> bool:
-    """The README's section between the markers `begin` and `end` replaced by `text`; False (nothing written) where
-    the README has no such markers."""
+    """The page's section between the markers `begin` and `end` replaced by `text` (written for the repository's root:
+    in a page under docs/ its links to results/ become ../results/); False (nothing written) where the page has no
+    such markers."""
     from verify.report import replace_between
+    if readme.resolve().parent.name == "docs":
+        text = text.replace("](results/", "](../results/")
     new = replace_between(readme.read_text(), begin, end, text)
     if new is None:
         return False

@@ -3,7 +3,7 @@
     python -m verify.prefill                     # Llama-3-8B's LlamaModel, random weights: one 8192-token prefill
     python -m verify.prefill --quick             # a smoke run: 2 layers, 1 warm-up + 2 timed forwards
     python -m verify.prefill --layers 8 --tokens 4096 --iters 5
-    python -m verify.prefill --report results/h200/prefill-<timestamp>.json   # no GPU: the README section from it
+    python -m verify.prefill --report results/h200/prefill-<timestamp>.json   # no GPU: the docs/capstone.md section from it
 
 The benchmark builds transformers' LlamaModel (the decoder without its LM head: the head is one GEMM that attention
 does not touch) with the Llama-3-8B configuration and seeded random weights, made on the GPU in bf16, with
@@ -23,8 +23,8 @@ scale=1/sqrt(128), is_causal=True, enable_gqa=True): a call the drop-in takes. A
 attention_mask), packed sequences, or torch.compile with an attention_mask make it an explicit boolean mask instead,
 which the step does not take (the prefill passes none). Each run records the calls it saw ("sdpa_calls").
 
-Writes results/<gpu>/prefill-<timestamp>.json (a --quick run: under build/prefill/); the README's prefill section is
-generated from it. transformers is optional: pip install -r requirements-models.txt.
+Writes results/<gpu>/prefill-<timestamp>.json (a --quick run: under build/prefill/); docs/capstone.md's prefill section is
+generated from it. transformers is optional: pip install -r requirements-capstone.txt.
 """
 from __future__ import annotations
 
@@ -315,7 +315,7 @@ def benchmark(model, inputs: dict, rows: list, *, warmup: int, warmup_s: float, 
     return {"rows": out_rows, "sdpa_calls": recorder.summary()}
 
 
-# ---------------------------------------------------------------- the results file and the README section
+# ---------------------------------------------------------------- the results file and the docs/capstone.md section
 
 def speedups(rows: dict) -> dict:
     """{backend: SDPA default's ms / its ms}, for the rows that ran."""
@@ -383,7 +383,7 @@ def table(run: dict) -> str:
 
 
 def markdown(run: dict) -> str:
-    """The README's prefill section body, all of it from the results file."""
+    """The prefill section's body (docs/capstone.md), all of it from the results file."""
     meta, t, model = run["meta"], run["timing"], run["model"]
     as_recorded = json.loads(json.dumps(LLAMA3_8B))
     changed = {k: v for k, v in model["config"].items() if k in as_recorded and as_recorded[k] != v}
@@ -471,9 +471,9 @@ def make_parser():
                          "its file goes to build/prefill/")
     ap.add_argument("--out", type=Path, metavar="DIR", help="also copy the results JSON here")
     ap.add_argument("--readme", choices=["auto", "yes", "no"], default="auto",
-                    help="regenerate the README's prefill section (auto: after a run of record: all 32 layers, 8192 tokens)")
+                    help="regenerate docs/capstone.md's prefill section (auto: after a run of record: all 32 layers, 8192 tokens)")
     ap.add_argument("--report", type=Path, metavar="RESULTS_JSON",
-                    help="no GPU work: print the README section of a prefill results file and regenerate the README's")
+                    help="no GPU work: print the section of a prefill results file and regenerate it in docs/capstone.md")
     return ap
 
 
@@ -520,8 +520,8 @@ def run_benchmark(args, log) -> int:
                  sdpa_default=sdpa_default_backend(model, args.tokens, device), seconds=time.time() - t0)
     write_results(run, json_path, args.out, log)
     if args.readme == "yes" or (args.readme == "auto" and is_full(run)):
-        log("README.md prefill section " + ("regenerated" if update_readme(ROOT / "README.md", run) else
-                                            "not written: README.md has no prefill markers"))
+        log("docs/capstone.md prefill section " + ("regenerated" if update_readme(models.MODELS_PAGE, run) else
+                                                  "not written: docs/capstone.md has no prefill markers"))
     log("")
     log(console_summary(run))
     failed = [name for name, c in run["rows"].items() if c.get("status", "").startswith("failed")]
@@ -539,8 +539,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"{PROG}: error: {args.report} is not a prefill results file (its kind: {run.get('kind')!r})")
         log(markdown(run))
         if args.readme != "no":
-            ok = update_readme(ROOT / "README.md", run)
-            log(f"\nREADME.md {'prefill section regenerated' if ok else 'has no prefill markers: nothing written'}")
+            ok = update_readme(models.MODELS_PAGE, run)
+            log(f"\ndocs/capstone.md {'prefill section regenerated' if ok else 'has no prefill markers: nothing written'}")
         return 0
     if why := steps_mod.missing_modules_reason(("torch", "numpy")):
         raise SystemExit(f"{PROG}: error: {why}")

@@ -42,6 +42,19 @@ def _headline(seqlens) -> list[int]:
     return [n for n in HEADLINE if n in seqlens] or list(seqlens)
 
 
+def only_steps(run: dict, keep: list[str]) -> dict:
+    """The run as if it had timed only the steps `keep` (and every peer): for a table of the steps whose kernels are
+    still the ones the run timed. Its causal table goes with its step, where that step is not kept."""
+    out = {**run, "steps": [s for s in run["steps"] if s in keep]}
+    dropped = set(run["steps"]) - set(out["steps"])
+    if (run.get("causal") or {}).get("step") in dropped:
+        dropped |= set(causal_names(run))
+        out["causal"] = None
+    out["timings"] = {k: v for k, v in run["timings"].items() if k not in dropped}
+    out["checks"] = {k: v for k, v in (run.get("checks") or {}).items() if k not in dropped}
+    return out
+
+
 def rows(run: dict) -> list[dict]:
     """One row per implementation: TFLOP/s per N, and the ratios at the headline N."""
     seqlens = run["seqlens"]

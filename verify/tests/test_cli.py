@@ -165,7 +165,7 @@ def test_a_skip_reason_is_said_once_for_every_step_that_gives_it(tmp_path):
     (tests / "test_fake.py").write_text(textwrap.dedent("""
         import pytest
 
-        STEPS = ["step41", "step42", "step43"]
+        STEPS = ["step01", "step02", "step03"]
 
         @pytest.mark.parametrize("step", STEPS)
         @pytest.mark.parametrize("shape", [1, 2])
@@ -174,24 +174,24 @@ def test_a_skip_reason_is_said_once_for_every_step_that_gives_it(tmp_path):
 
         @pytest.mark.parametrize("step", STEPS)
         def test_tiling(step):
-            if step != "step43":
+            if step != "step03":
                 pytest.skip(f"{step} has one tiling")
 
         @pytest.mark.parametrize("step", STEPS)
         def test_result(step):
-            assert step != "step42", "a wrong result"
+            assert step != "step02", "a wrong result"
     """))
     lines = []
-    verdicts = runner.check_steps(["step41", "step42", "step43"], 120, tests=tests, log=lines.append, jobs=2)
+    verdicts = runner.check_steps(["step01", "step02", "step03"], 120, tests=tests, log=lines.append, jobs=2)
     log = "\n".join(lines).splitlines()
-    assert verdicts == {"step41": "passed", "step42": "FAILED", "step43": "passed"}, log
-    assert [ln for ln in log if "no CUDA GPU" in ln] == ["  skipped 6 tests (steps 41-43): no CUDA GPU on this machine"], log
-    assert [ln for ln in log if "one tiling" in ln] == ["  skipped 2 tests (steps 41-42): the step has one tiling"], log
+    assert verdicts == {"step01": "passed", "step02": "FAILED", "step03": "passed"}, log
+    assert [ln for ln in log if "no CUDA GPU" in ln] == ["  skipped 6 tests (steps 01-03): no CUDA GPU on this machine"], log
+    assert [ln for ln in log if "one tiling" in ln] == ["  skipped 2 tests (steps 01-02): the step has one tiling"], log
     assert not [ln for ln in log if ln.startswith("SKIPPED")], log
     assert any("a wrong result" in ln for ln in log), "the failed step's output is not shown"
-    for step in ("step41", "step43"):
+    for step in ("step01", "step03"):
         assert [ln for ln in log if step in ln and not ln.startswith("-- ")] == [], f"{step} passed: its verdict alone"
-    ends = [ln for ln in log if ln.startswith("-- step4") and "pytest -k" not in ln]
+    ends = [ln for ln in log if ln.startswith("-- step0") and "pytest -k" not in ln]
     assert len(ends) == 3 and ends[-1].endswith("[3 of 3 steps checked]"), ends
     assert any("of 3 steps checked, about" in ln for ln in ends[:2]), ends  # an estimate once a step has ended
 
@@ -440,12 +440,14 @@ class FakeSession:
         self.ran.append(args)
 
 
-def test_nox_tests_installs_the_requirements_files_and_no_list_of_its_own(noxfile):
+def test_nox_tests_installs_the_requirements_files_and_no_list_of_its_own(noxfile, monkeypatch):
     """requirements-verify.txt is the one list of what the tests need, requirements-capstone.txt the capstone's optional
-    one (so that CI runs its CPU tests); the session adds only CI's torch pin."""
+    one (so that CI runs its CPU tests); the session adds only CI's torch pin, first (install_torch: where it comes from
+    is test_noxfile_torch.py's)."""
+    monkeypatch.setattr(noxfile, "install_torch", lambda s: s.install(noxfile.TORCH_CI))
     session = FakeSession()
     noxfile.tests(session)
-    assert session.installed == [(noxfile.TORCH_CI, "-r", "requirements-verify.txt", "-r", "requirements-capstone.txt")]
+    assert session.installed == [(noxfile.TORCH_CI,), ("-r", "requirements-verify.txt", "-r", "requirements-capstone.txt")]
     assert session.ran == [("python", "-m", "pytest", "--steps", "5-7")]
 
 

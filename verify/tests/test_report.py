@@ -264,3 +264,13 @@ def test_a_run_without_a_causal_table_renders_as_before():
     run = synthetic_run(bench.SEQLENS_OF_RECORD)
     assert report.causal_rows(run) == [] and report.causal_markdown_table(run) == "" and report.causal_names(run) == []
     assert "| causal |" not in report.markdown_table(run) and "causal" not in report.console_table(run)
+
+
+def test_only_steps_keeps_the_peers_and_drops_a_causal_table_whose_step_goes():
+    """`python -m verify --report RUN --steps ...`: a table of the steps whose kernels the run timed, the peers kept;
+    the causal table goes with its step."""
+    run = report.load(ROOT / "results" / "h200" / "2026-12-03T05-38-21Z.json")
+    kept = report.only_steps(run, [f"step{n:02d}" for n in range(1, 16)])
+    table = report.markdown_table(kept)
+    assert "| step15 " in table and "| step16 " not in table and "FlashAttention-3" in table and "causal" not in table
+    assert "| step19 causal" in report.markdown_table(run)  # the whole run's table has them
