@@ -199,20 +199,11 @@ def record(step: str, shape: tuple[int, int, int], raw_path: Path) -> None:
     raw = {"format": FORMAT, "step": step, "shape": list(shape), "gpu": torch.cuda.get_device_name(),
            "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
            "work_tiles": -(-seqlen // mod.info["tile_q"]) * heads * batch,
-           "kv_tiles": -(-seqlen // kv_tile_of(mod.info, seqlen)),
+           "kv_tiles": -(-seqlen // mod.info["tile_k"]),  # every step's K/V tile, whatever kernel runs
            "untraced_us": time_untraced(binding, steps_mod.DEV / "flashladder" / step / "_kernel.so", q, k, v),
            "events_per_warp": per_warp, "attempted": {str(w): n for w, n in enumerate(counts) if n},
            "columns": COLUMNS, "events": rows}
     raw_path.write_text(json.dumps(raw, separators=(",", ":")))
-
-
-def kv_tile_of(info: dict, seqlen: int) -> int:
-    """The K/V tile a (non-causal, square) call of `seqlen` runs with: the long tiling's where the step has one and the
-    launcher takes it (step16: from info["long_min_seqlen_k"] keys, with an even number of Q tiles), else info["tile_k"]."""
-    long_k, long_min = info.get("long_tile_k"), info.get("long_min_seqlen_k")
-    if long_k and seqlen >= long_min and -(-seqlen // info["tile_q"]) % 2 == 0:
-        return long_k
-    return info["tile_k"]
 
 
 def decode(region: int, events: list[list[int]], names: dict[int, str]) -> list[list]:

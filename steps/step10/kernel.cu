@@ -222,10 +222,10 @@ struct MmaWarpgroup {
         // memory: LBO = the distance between V's two 64-dim halves, SBO = one 8-key atom.
         uint32_t P_frag[PV_STEPS][4];
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            for (int r = 0; r < 2; ++r) {
-                P_frag[kk][r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, r, 0), frag_at(S_acc, 2 * kk, r, 1));              // keys +2t
-                P_frag[kk][2 + r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, r, 0), frag_at(S_acc, 2 * kk + 1, r, 1));  // keys +8+2t
-            }
+            P_frag[kk][0] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, 0, 0), frag_at(S_acc, 2 * kk, 0, 1));          // row g,   keys +2t
+            P_frag[kk][1] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, 1, 0), frag_at(S_acc, 2 * kk, 1, 1));          // row g+8, keys +2t
+            P_frag[kk][2] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, 0, 0), frag_at(S_acc, 2 * kk + 1, 0, 1));  // row g,   keys +8+2t
+            P_frag[kk][3] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, 1, 0), frag_at(S_acc, 2 * kk + 1, 1, 1));  // row g+8, keys +8+2t
         }
         wait_full(&smem.V_full[stage], kv_tile, kv_tile);
         wgmma_fence();  // O_acc (rescaled) and P_frag were written by ordinary instructions just now

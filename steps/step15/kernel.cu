@@ -319,10 +319,10 @@ struct MmaWarpgroup {
             }
         }
         for (int kk = 0; kk < PV_STEPS; ++kk) {
-            for (int r = 0; r < 2; ++r) {
-                P_frag[kk][r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, r, 0), frag_at(S_acc, 2 * kk, r, 1));              // keys +2t
-                P_frag[kk][2 + r] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, r, 0), frag_at(S_acc, 2 * kk + 1, r, 1));  // keys +8+2t
-            }
+            P_frag[kk][0] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, 0, 0), frag_at(S_acc, 2 * kk, 0, 1));          // row g,   keys +2t
+            P_frag[kk][1] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk, 1, 0), frag_at(S_acc, 2 * kk, 1, 1));          // row g+8, keys +2t
+            P_frag[kk][2] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, 0, 0), frag_at(S_acc, 2 * kk + 1, 0, 1));  // row g,   keys +8+2t
+            P_frag[kk][3] = cvt_rn_bf16x2_f32(frag_at(S_acc, 2 * kk + 1, 1, 0), frag_at(S_acc, 2 * kk + 1, 1, 1));  // row g+8, keys +8+2t
         }
     }
     __device__ void release(uint64_t* empty) const {  // this warp is done with a ring slot, or with Q
