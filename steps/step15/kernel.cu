@@ -24,7 +24,8 @@
 // CHECKED (results/h200/2026-12-01T16-28-07Z-logs/checks.log): the checks of causal calls in both corners (ragged,
 //   rows and whole tiles that see no key, peaked and large values, grouped and multi-query heads) passed on this
 //   kernel, which test_sass.py ties opcode for opcode to the one that ran there.
-// PICTURES: docs/img/causal_mask.png, docs/img/causal_balance.png, docs/img/gqa_heads.png.
+// PICTURES: docs/img/causal_mask.png, docs/img/causal_balance.png, docs/img/gqa_heads.png,
+//   results/h200/timeline/step15.png (measured).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

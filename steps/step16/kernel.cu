@@ -17,12 +17,12 @@
 //   without the pairs did the same work per clock (422.1 and 421.6 TFLOP/s per GHz), but without them the clock fell
 //   to 1605 MHz under the power cap, with them it held 1665 MHz: a pair reads each K/V tile from L2 once, not twice.
 // PREDICTION: from 4K keys up, the clock kept: +1-2% over step15; below 4K keys, step15's kernel and speed.
-// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
-//   (results/h200/2026-12-03-part2/README.md).
+// MEASURED (results/h200/2026-12-03T16-19-14Z.json, N = 4K / 8K / 16K): 661.1 / 674.6 / 679.5 TFLOP/s, 0.99x step15 at
+//   each: the prediction missed; the pairs kept no higher clock than step15 at 128 keys a tile (1710 MHz both at 16K).
 // CHECKED (results/h200/2026-12-03-part2/checks_step16.log): every check passed, the pair checks among them
 //   (shapes at and around the threshold, grouped heads, 32760 keys, two calls bitwise equal, the launcher's choice);
 //   test_sass.py: multicast copies, arrivals on the peer's barriers and cluster barriers in the SASS, none in step15's.
-// PICTURES: docs/img/cta_pair_multicast.png.
+// PICTURES: docs/img/cta_pair_multicast.png, results/h200/timeline/step16.png (measured).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

@@ -15,11 +15,12 @@
 //   TFLOP/s at N = 4K and 658.0 against 646.4 at 16K. On the kernel of one CTA per cluster they lost at 2K and 4K
 //   (results/h200/2026-12-02-step16/ab-step16.log: 0.991x and 0.992x step15), so that kernel keeps step15's code.
 // PREDICTION: +1% in the paired kernel (4K keys and more); nothing below.
-// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
-//   (results/h200/2026-12-03-part2/README.md).
-// CHECKED: not yet on a GPU (its neighbours' checks passed: results/h200/2026-12-03-part2/README.md). test_sass.py:
-//   30 or more fewer R2UR in the paired kernel than in step16's (50 with nvcc 13.0), the other kernel step15's.
-// PICTURES: docs/img/descriptor_advance.png.
+// MEASURED (results/h200/2026-12-03T16-19-14Z.json, N = 4K / 8K / 16K): 649.8 / 657.9 / 661.6 TFLOP/s, 0.98 / 0.98 /
+//   0.97x step16: the prediction missed, at a higher clock (1740 MHz against 1710 at 16K); it pays with the next step
+//   only if step18 without it is slower, which no run has measured yet (results/h200/2026-12-03-part2/README.md).
+// CHECKED (results/h200/2026-12-03-part2/checks_step17.log): every check passed. test_sass.py:
+//   30 or more fewer R2UR in the paired kernel than in step16's (50 with the nvcc of CI, 13), the other kernel step15's.
+// PICTURES: docs/img/descriptor_advance.png, results/h200/timeline/step17.png (measured).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

@@ -17,11 +17,11 @@
 //   (results/h200/2026-12-01-fa3-recipe/ab-s13split.log: 646.4 against 647.1 on step13 at 16K), and on step15 it lost
 //   its clock (results/h200/2026-12-01-fa3-recipe/ab-s15split.log): it pays only where the pairs keep the clock.
 // PREDICTION: +1-2% from 4K keys up, where the paired kernel runs; nothing below.
-// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
-//   (results/h200/2026-12-03-part2/README.md).
-// CHECKED: not yet on a GPU (its neighbours' checks passed: results/h200/2026-12-03-part2/README.md). test_sass.py:
+// MEASURED (results/h200/2026-12-03T16-19-14Z.json, N = 4K / 8K / 16K): 675.6 / 692.4 / 701.1 TFLOP/s, 1.04 / 1.05 /
+//   1.06x step17, 1.01x FA3 at each.
+// CHECKED (results/h200/2026-12-03-part2/checks_step18.log): every check passed. test_sass.py:
 //   the paired kernel's stretch from the wait for S to the wait for P V holds one row's MUFU.EX2 (32-40), step17's 66.
-// PICTURES: docs/img/split_order.png.
+// PICTURES: docs/img/split_order.png, results/h200/timeline/step18.png (measured).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

@@ -18,11 +18,11 @@
 //   which the paired kernel's loop (steps 17-18) has. Where the cycles go, and seven tries that did not pay on the
 //   kernel of one CTA per cluster: results/h200/2026-12-02-tile-ends/.
 // PREDICTION: causal and grouped heads from 4K keys: the paired kernel's gain over step15's kernel, +3-5%.
-// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
-//   (results/h200/2026-12-03-part2/README.md).
+// MEASURED (results/h200/2026-12-03T16-19-14Z.json): dense as step18 (676.9 / 692.6 / 701.4 TFLOP/s at N = 4K / 8K /
+//   16K, 1.00x); the causal table of that run times the final step's causal kernels (step22).
 // CHECKED (results/h200/2026-12-03-part2/checks_step19.log): every check passed, the causal pair checks among
 //   them (both corners, a partial last Q tile, grouped heads, 160 rounds on 132 CTAs, a square prefill).
-// PICTURES: docs/img/causal_pairs.png.
+// PICTURES: docs/img/causal_pairs.png, results/h200/timeline/step19.png (measured).
 #include "flashladder.cuh"
 #include "mbarrier.cuh"
 #include "ptx.cuh"

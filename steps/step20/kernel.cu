@@ -19,11 +19,11 @@
 // WHY (results/h200/2026-12-02-step18/tail.log): with 2112 work tiles, whole rounds on 132 SMs, kernels without a
 //   split ran 617.2 TFLOP/s at 2K where the 2048 of the shape of record ran 607.3: the half-empty round cost 1.6%.
 // PREDICTION: up to 1.5% at every dense shape of record, less the merge; least at 1K and 2K.
-// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
-//   (results/h200/2026-12-03-part2/README.md).
+// MEASURED (results/h200/2026-12-03T16-19-14Z.json, N = 4K / 8K / 16K): 686.3 / 704.7 / 712.9 TFLOP/s, 1.01 / 1.02 /
+//   1.02x step19, 1.03x FA3 at each.
 // CHECKED (results/h200/2026-12-03-part2/checks_step20.log): every check passed, the split checks among them
 //   (last rounds of 4 to 68 tiles, owners with up to 7 partials, ragged, grouped heads, two streams, determinism).
-// PICTURES: docs/img/split_tail.png, docs/img/split_merge.png.
+// PICTURES: docs/img/split_tail.png, docs/img/split_merge.png, results/h200/timeline/step20.png (measured).
 #include <climits>
 
 #include "flashladder.cuh"

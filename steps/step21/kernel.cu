@@ -15,10 +15,11 @@
 //   dense calls had p.causal folded to 0 ran 231.7 us where the same kernel testing it ran 236.5: the causal paths,
 //   never taken by a dense call, weigh most where a work tile walks few K/V tiles and its set-up and end count.
 // PREDICTION: about 1% at 1K and 2K, less from 4K up; causal calls unchanged or a little ahead.
-// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
-//   (results/h200/2026-12-03-part2/README.md).
-// CHECKED: not yet on a GPU (its neighbours' checks passed: results/h200/2026-12-03-part2/README.md). test_sass.py:
-//   each dense kernel at least 5% shorter than step20's same kernel, each causal one shorter too.
+// MEASURED (results/h200/2026-12-03T16-19-14Z.json, N = 4K / 8K / 16K): 689.9 / 703.2 / 713.3 TFLOP/s, 1.01 / 1.00 /
+//   1.00x step20: the shorter kernels ran no faster at these lengths.
+// CHECKED (results/h200/2026-12-03-part2/checks_step21.log): every check passed. test_sass.py: each dense kernel
+//   shorter than step20's same kernel by one instruction in twenty or more, each causal one shorter too.
+// PICTURES: results/h200/timeline/step21.png (measured).
 #include <climits>
 
 #include "flashladder.cuh"

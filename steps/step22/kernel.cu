@@ -17,11 +17,13 @@
 // WHY (results/h200/2026-12-03-tile-ends-1k/tile-ends.txt): at N = 1K, where a work tile walks 8 K/V tiles, the
 //   kernel spent more warp samples outside its steady loop than step14's; the divisions were among the lines that grew.
 // PREDICTION: about 1% at 1K, less from 4K up, where a work tile walks 32 K/V tiles or more.
-// MEASURED: not yet: the run of record of steps 14-22 is the next GPU session's first work
-//   (results/h200/2026-12-03-part2/README.md).
-// CHECKED (results/h200/2026-12-03-part2/checks_step22.log): every check passed; compute-sanitizer not yet run
-//   on it. test_sass.py: no integer division in any kernel (step21's have some), two MUFU.RCP and MUFU.LG2 in each.
-// PICTURES: docs/img/work_tile_coords.png, docs/img/magic_division.png.
+// MEASURED (results/h200/2026-12-03T16-19-14Z.json): 607.5 TFLOP/s at N = 1K, 1.01x step21; 692.2 / 708.7 /
+//   717.4 at 4K / 8K / 16K, 1.00 / 1.01 / 1.01x step21, 1.04x FA3, 1.13 / 1.15 / 1.15x SDPA cuDNN; causal 637.3 /
+//   673.3 / 691.3, 1.01 / 1.03 / 1.03x FA3's causal.
+// CHECKED (results/h200/2026-12-03-part2/checks_step22.log): every check passed; compute-sanitizer's memcheck clean on
+//   the split tail and on causal pairs (results/h200/2026-12-03-part2/san_memcheck_step22_*.txt); test_sass.py: no
+//   integer division in any kernel (step21's have some), two MUFU.RCP and MUFU.LG2 in each.
+// PICTURES: docs/img/work_tile_coords.png, docs/img/magic_division.png, results/h200/timeline/step22.png (measured).
 #include <climits>
 
 #include "flashladder.cuh"
