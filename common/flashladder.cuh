@@ -73,6 +73,28 @@ struct FwdParams {
     void* workspace;
 };
 
+// Everything a backward call needs (the steps that export flashladder_bwd). Mirrored in common/binding/abi.py.
+// Given O = attention(Q, K, V) and its LSE from the forward, and dO (and dLSE, the gradient of the LSE, or nullptr):
+// dQ, dK, dV. The strides are those of FwdParams, in elements, the last dimension contiguous.
+struct BwdParams {
+    const void* q;         // bf16 [batch, heads, seqlen_q, HEAD_DIM]
+    const void* k;         // bf16 [batch, heads_k, seqlen_k, HEAD_DIM]
+    const void* v;         // bf16 [batch, heads_k, seqlen_k, HEAD_DIM]
+    const void* o;         // bf16 [batch, heads, seqlen_q, HEAD_DIM], the forward's output
+    const void* d_o;       // bf16 [batch, heads, seqlen_q, HEAD_DIM], the gradient of the loss with respect to O
+    const float* lse;      // fp32 [batch, heads, seqlen_q], contiguous: the forward's LSE (natural log)
+    const float* d_lse;    // fp32 [batch, heads, seqlen_q], contiguous, or nullptr (no gradient reaches the LSE)
+    float* delta;          // fp32 [batch, heads, seqlen_q], contiguous scratch: D = rowsum(dO * O) - dLSE
+    void* dq;              // bf16 [batch, heads, seqlen_q, HEAD_DIM]
+    void* dk;              // bf16 [batch, heads_k, seqlen_k, HEAD_DIM]: summed over the query heads that read it
+    void* dv;              // bf16 [batch, heads_k, seqlen_k, HEAD_DIM]: summed the same way
+    int64_t q_stride[3], k_stride[3], v_stride[3], o_stride[3], do_stride[3];
+    int64_t dq_stride[3], dk_stride[3], dv_stride[3];
+    int32_t batch, heads, seqlen_q, seqlen_k;
+    float scale;
+    int32_t heads_k, causal, causal_offset;  // as in FwdParams
+};
+
 // Bits of flashladder_features(), exported by the steps that take more than dense attention with equal heads.
 constexpr int FLASHLADDER_FEATURE_CAUSAL = 1;  // FwdParams' causal and causal_offset
 constexpr int FLASHLADDER_FEATURE_GQA = 2;     // heads_k < heads (grouped and multi-query attention)

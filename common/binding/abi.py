@@ -32,6 +32,20 @@ class FwdParams(ctypes.Structure):
     ]
 
 
+class BwdParams(ctypes.Structure):
+    """Mirror of `struct BwdParams` in common/flashladder.cuh (the steps that export flashladder_bwd), field by field."""
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p), ("d_o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p), ("d_lse", ctypes.c_void_p), ("delta", ctypes.c_void_p),
+        ("dq", ctypes.c_void_p), ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p),
+        *((f"{name}_stride", ctypes.c_int64 * 3) for name in ("q", "k", "v", "o", "do", "dq", "dk", "dv")),
+        ("batch", ctypes.c_int32), ("heads", ctypes.c_int32),
+        ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("heads_k", ctypes.c_int32), ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
+    ]
+
 
 def load_library(path: Path) -> ctypes.CDLL:
     """A step's _kernel.so, its C ABI declared to ctypes and checked against this binding (version, FwdParams).
@@ -62,6 +76,13 @@ def load_library(path: Path) -> ctypes.CDLL:
     if hasattr(lib, "flashladder_pair_min_seqlen_k"):
         lib.flashladder_pair_min_seqlen_k.restype = ctypes.c_int
         lib.flashladder_pair_min_seqlen_k.argtypes = [ctypes.c_int]
+    if hasattr(lib, "flashladder_bwd"):  # the steps with a backward
+        lib.flashladder_bwd.restype = ctypes.c_int
+        lib.flashladder_bwd.argtypes = [ctypes.POINTER(BwdParams), ctypes.c_void_p]
+        lib.flashladder_bwd_params_size.restype = ctypes.c_int
+        if lib.flashladder_bwd_params_size() != ctypes.sizeof(BwdParams):
+            raise ImportError(f"{path}: sizeof(BwdParams) is {lib.flashladder_bwd_params_size()} in the library but "
+                              f"{ctypes.sizeof(BwdParams)} in the binding's ctypes mirror: the two disagree, fix the mirror")
     if lib.flashladder_params_size() != ctypes.sizeof(FwdParams):
         raise ImportError(f"{path}: sizeof(FwdParams) is {lib.flashladder_params_size()} in the library but "
                           f"{ctypes.sizeof(FwdParams)} in the binding's ctypes mirror: the two disagree, fix the mirror")
@@ -85,3 +106,16 @@ def make_params(q, k, v, o, lse, scale: float, causal: int = 0, workspace: Optio
     return FwdParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                      strides(q), strides(k), strides(v), strides(o),
                      q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset, workspace)
+
+
+def make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale: float, causal: int = 0) -> BwdParams:
+    """BwdParams for one backward launch: the forward's tensors (q, k, v, o, lse), the gradients reaching its outputs
+    (d_o, and d_lse or None), the fp32 scratch `delta` (one float per query row) and the gradients to write."""
+    def strides(t):
+        return (ctypes.c_int64 * 3)(*kernel_strides(t))
+    offset = k.shape[2] - q.shape[2] if causal == CAUSAL["bottom_right"] else 0
+    return BwdParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), lse.data_ptr(),
+                     None if d_lse is None else d_lse.data_ptr(), delta.data_ptr(),
+                     dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                     *(strides(t) for t in (q, k, v, o, d_o, dq, dk, dv)),
+                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset)

@@ -129,6 +129,24 @@ def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, d
             raise ValueError(f"{where}: all tensors must be on one device: q is on {q.device}, {name} on {t.device}")
 
 
+def check_backward(step: str, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, devices=("cuda",)) -> None:
+    """The backward's tensors beside the forward's q, k, v (check_inputs has seen those): o and d_o of q's shape, dq,
+    dk and dv of q's, k's and v's, all bf16 with a contiguous last dim; lse and d_lse (None: no gradient reaches the
+    LSE) float32 [batch, heads, seqlen_q], contiguous; all on q's device. Raises, naming the problem."""
+    where = f"flashladder.{step}"
+    for name, t, like in (("o", o, q), ("d_o", d_o, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if t.shape != like.shape or t.dtype != torch.bfloat16 or t.stride(-1) != 1 or 0 in t.stride():
+            raise ValueError(f"{where}: {name} must be a bf16 tensor of shape {tuple(like.shape)} with a contiguous last "
+                             f"dim, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    for name, t in (("lse", lse), ("d_lse", d_lse)):
+        if t is not None and (t.shape != q.shape[:3] or t.dtype != torch.float32 or not t.is_contiguous()):
+            raise ValueError(f"{where}: {name} must be a contiguous float32 tensor of shape {tuple(q.shape[:3])}, "
+                             f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    for name, t in dict(o=o, lse=lse, d_o=d_o, d_lse=d_lse, dq=dq, dk=dk, dv=dv).items():
+        if t is not None and (t.device.type not in devices or t.device != q.device):
+            raise ValueError(f"{where}: {name} is on {t.device}, q on {q.device}: all tensors must be on one CUDA device")
+
+
 def _span(t: torch.Tensor) -> tuple:
     """[first, last) bytes of memory a strided tensor can touch (empty for an empty tensor)."""
     if t.numel() == 0:
@@ -231,6 +249,17 @@ def check_outputs_apart(step: str, tensors: dict) -> None:
             a, b = _span(tensors[name])
             if lo < b and a < hi:
                 raise ValueError(f"flashladder.{step}: {out} overlaps {name} in memory; outputs need buffers of their own")
+
+
+def check_gradients_apart(step: str, outputs: dict, inputs: dict) -> None:
+    """The backward's outputs (dq, dk, dv) may not share memory with its inputs or with each other."""
+    names = list(outputs)
+    for n, out in enumerate(names):
+        lo, hi = _span(outputs[out])
+        for name, t in [*((x, outputs[x]) for x in names[n + 1:]), *inputs.items()]:
+            a, b = _span(t) if t is not None else (0, 0)
+            if lo < b and a < hi:
+                raise ValueError(f"flashladder.{step}: {out} overlaps {name} in memory; gradients need buffers of their own")
 
 
 def check_launch(step: str, tensors: dict, archs: list, smem_bytes: Optional[int]) -> None:

@@ -59,8 +59,12 @@ class Step:
         # and stream (workspace_for).
         self.workspace_bytes = lib.flashladder_workspace_bytes if hasattr(lib, "flashladder_workspace_bytes") else None
         self.workspaces: dict = {}
-        self.limits = SdpaLimits(step, self.seqlen_multiple, tuple(self.archs), self.smem_bytes, features=self.features)
+        # A backward, exported by the steps that have one: attention() then has gradients (register_backward).
+        self.has_backward = hasattr(lib, "flashladder_bwd")
+        self.limits = SdpaLimits(step, self.seqlen_multiple, tuple(self.archs), self.smem_bytes, features=self.features,
+                                 backward=self.has_backward)
         self.fwd, self.fwd_out = self.register_ops()
+        self.bwd = self.register_backward() if self.has_backward else None
         # Said at import, so that it comes before torch's own error at the first CUDA call (e.g. torch.randn(device="cuda")).
         if why := checks.no_cuda_reason():  # stacklevel 4: the line that imports the step (pkg/__init__.py calls bind_step)
             warnings.warn(f"flashladder.{step}: {why}; the kernel runs on {checks.runs_on(self.archs)} with a CUDA build "
@@ -71,6 +75,7 @@ class Step:
                      "workspace": self.workspace_bytes is not None,
                      "archs": self.archs, "runs_on": checks.runs_on(self.archs), "smem_bytes": self.smem_bytes,
                      "causal": bool(self.features & FEATURE_CAUSAL), "gqa": bool(self.features & FEATURE_GQA),
+                     "backward": self.has_backward,
                      "library": lib._name, "ptxas_report": str(ptxas) if ptxas.exists() else None}  # the path: print(info) stays short
 
     def __repr__(self):
@@ -91,6 +96,8 @@ class Step:
         Returns (o: bf16 [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]); o laid out in memory
         as q is (a [batch, seqlen, heads, 128] tensor transposed gives o the same; output_like).
         scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
+        Gradients (info["backward"]): torch's autograd reaches q, k and v through o and lse (the step's backward);
+        a step without one raises when a gradient is asked of it.
         Empty inputs (batch, heads or seqlen_q of 0) give empty outputs without a launch; with seqlen_k = 0
         every row has no key: o = 0 and lse = -inf (what softmax over nothing tends to; no launch either).
         """
@@ -107,7 +114,7 @@ class Step:
         """A drop-in for torch's SDPA: `with sdpa() as r: model(x)` sends each torch.nn.functional.scaled_dot_product_attention
         call that this step can take (CUDA, bf16, head dim 128, [batch, heads, seqlen, 128] with a contiguous last dim,
         equal heads (or, info["gqa"], fewer key/value heads with enable_gqa=True), no mask (info["causal"]: but is_causal=True
-        or torch's causal bias), no dropout, no gradients needed, `scale` any positive float, the seqlens
+        or torch's causal bias), no dropout, no gradients needed (info["backward"]: gradients too), `scale` any positive float, the seqlens
         this step takes, a GPU it runs on) to it, and every other call to torch unchanged. r.routed counts the calls
         routed, r.fallbacks (a Counter) the others by reason; strict=True raises NotRouted for a call it cannot take
         instead. Works in eager, under torch.compile and in CUDA-graph capture (SdpaRouter says how each counts)."""
@@ -118,6 +125,64 @@ class Step:
         return self.fwd(q, k, v, scale, checks.check_causal(self.step, causal, self.features))[0]
 
     # ---------------------------------------------------------------- the ops and the launch
+
+    def register_backward(self):
+        """The backward op, flashladder::<step>_bwd (writes dq, dk, dv), and the forward op's autograd formula, which
+        calls it: a real op, so torch.compile traces the backward graph and CUDA graphs capture it. Without a backward
+        the forward op has no autograd formula, and torch raises where a gradient is asked of it."""
+        step, checked, launch_bwd = self.step, self.checked, self.launch_bwd
+
+        @torch.library.custom_op(f"flashladder::{step}_bwd", mutates_args=("dq", "dk", "dv"))
+        def bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                d_o: torch.Tensor, d_lse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                scale: float, causal: int = 0) -> None:
+            checked(q, k, v, None, None, scale, causal)
+            checks.check_backward(step, q, k, v, o, lse, d_o, d_lse, dq, dk, dv)
+            launch_bwd(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale, causal)
+
+        @bwd.register_fake
+        def _(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale, causal=0):
+            checked(q, k, v, None, None, scale, causal, devices=("cuda", "meta"))
+            checks.check_backward(step, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, devices=("cuda", "meta"))
+
+        def setup_context(ctx, inputs, output):
+            q, k, v, scale, causal = inputs
+            ctx.save_for_backward(q, k, v, *output)
+            ctx.scale, ctx.causal = scale, causal
+
+        def backward(ctx, d_o, d_lse):
+            q, k, v, o, lse = ctx.saved_tensors
+            # autograd may hand a gradient of any layout (an expanded scalar's has stride 0): the kernel reads rows
+            # with a contiguous last dim.
+            if d_o is None:
+                d_o = torch.zeros_like(o)
+            elif d_o.stride(-1) != 1 or 0 in d_o.stride():
+                d_o = d_o.contiguous()
+            d_lse = None if d_lse is None else d_lse.to(torch.float32).contiguous()
+            dq, dk, dv = output_like(q), output_like(k), output_like(v)
+            bwd(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, ctx.scale, ctx.causal)
+            return dq, dk, dv, None, None
+
+        self.fwd.register_autograd(backward, setup_context=setup_context)
+        return bwd
+
+    def launch_bwd(self, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale: float, causal: int) -> None:
+        """One backward call of the library on checked tensors, on the current stream."""
+        if q.numel() == 0 or k.shape[2] == 0:  # no query, or no key: every gradient is 0 (nothing reads anything)
+            for t in (dq, dk, dv):
+                t.zero_()
+            return
+        checks.check_gradients_apart(self.step, dict(dq=dq, dk=dk, dv=dv),
+                                     dict(q=q, k=k, v=v, o=o, lse=lse, d_o=d_o, d_lse=d_lse))
+        checks.check_launch(self.step, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, self.archs, self.smem_bytes)
+        with torch.cuda.device(q.device):
+            stream = torch.cuda.current_stream(q.device).cuda_stream
+            delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)  # D = rowsum(dO * O) - dLSE
+            params = abi.make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale, causal)
+            err = self.lib.flashladder_bwd(ctypes.byref(params), ctypes.c_void_p(stream))
+        if err != 0:
+            raise RuntimeError(f"flashladder.{self.step}: backward launch failed: "
+                               f"{self.lib.flashladder_error_string(err).decode()} (cudaError {err})")
 
     def register_ops(self):
         """The step's ops, flashladder::<step> (returns o, lse) and flashladder::<step>_out (writes them), each with its

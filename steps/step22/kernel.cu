@@ -20,9 +20,9 @@
 // MEASURED (results/h200/2026-12-03T16-19-14Z.json): 607.5 TFLOP/s at N = 1K, 1.01x step21; 692.2 / 708.7 /
 //   717.4 at 4K / 8K / 16K, 1.00 / 1.01 / 1.01x step21, 1.04x FA3, 1.13 / 1.15 / 1.15x SDPA cuDNN; causal 637.3 /
 //   673.3 / 691.3, 1.01 / 1.03 / 1.03x FA3's causal.
-// CHECKED (results/h200/2026-12-03-part2/checks_step22.log): every check passed; compute-sanitizer's memcheck clean on
-//   the split tail and on causal pairs (results/h200/2026-12-03-part2/san_memcheck_step22_*.txt); test_sass.py: no
-//   integer division in any kernel (step21's have some), two MUFU.RCP and MUFU.LG2 in each.
+// CHECKED (results/h200/2026-12-03-part2/checks_step22.log): every check passed; compute-sanitizer's memcheck and
+//   racecheck clean on the split tail and on causal pairs (results/h200/2026-12-03-part2/san_*_step22_*.txt);
+//   test_sass.py: no integer division in any kernel (step21's have some), two MUFU.RCP and MUFU.LG2 in each.
 // PICTURES: docs/img/work_tile_coords.png, docs/img/magic_division.png, results/h200/timeline/step22.png (measured).
 #include <climits>
 

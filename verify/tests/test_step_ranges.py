@@ -19,6 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PART_I_END = 14  # step14 closes Part I: a range that ends at or before it cannot go stale
+# A part of the ladder that a later part has followed, by its span: named as the part ("Part II, step15 to step22"),
+# its range stays true.
+CLOSED_PARTS = {"ii": (15, 22)}
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
                 "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty",
                 "twenty-one", "twenty-two", "twenty-three", "twenty-four", "twenty-five", "twenty-six", "twenty-seven",
@@ -130,6 +133,9 @@ def stale(text: str, have: list[int], ranges: bool = True) -> list[tuple[int, st
         for col, lo, hi in line_ranges(line, step_table and line.startswith("|")):
             if re.search(r"\bold\s+(?:steps?\s*)?$", line[max(0, col - 12):col], re.I):
                 continue  # history: "the old steps 16-20"
+            if (m := re.search(r"\bpart\s+(i+|iv)\b[,:]?\s*$", line[max(0, col - 16):col], re.I)) and \
+                    CLOSED_PARTS.get(m.group(1).lower()) == (lo, hi):
+                continue  # a closed part by its span: "Part II, step15 to step22"
             if (p := range_problem(lo, hi, have)) is not None:
                 out.append((i, f"'{line[col:col + 24].strip()}...' {p}"))
         for m in COUNT.finditer(line):
@@ -186,6 +192,16 @@ def test_the_checker_finds_a_stale_range_or_final_step(text):
 ])
 def test_the_checker_passes_what_cannot_go_stale(text):
     assert not stale(text, HAVE), stale(text, HAVE)
+
+
+def test_a_closed_part_named_by_its_span_stays_true_and_nothing_else_does():
+    """Part II, once Part III began, is step15 to step22 for good; the same range without the part's name, or the part
+    named with another span, is a claim about steps that may grow."""
+    have = list(range(1, 24))
+    assert not stale("Part II, step15 to step22: what models pass", have)
+    assert stale("steps 15-22 take causal masks", have)
+    assert stale("Part II, step15 to step21", have)
+
 
 
 def test_a_snippet_under_a_heading_on_the_final_step_names_the_final_step():

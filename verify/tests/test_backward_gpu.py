@@ -1,0 +1,232 @@
+"""GPU: the backward of every step that has one (info["backward"]) against float64 autograd (skipped without a GPU).
+
+The reference: torch's autograd of the float64 attention (verify/reference.py's formula, on the GPU), given the same
+dO (and dLSE where a case sends a gradient into the LSE). The bound: each of dQ, dK, dV within 2x the error of a
+plain bf16 implementation (plain_bf16_attention: bf16 GEMMs with fp32 accumulation, the softmax in fp32, P rounded to
+bf16; torch's autograd through it), in the largest error and in the relative Frobenius norm, plus a floor of a few
+bf16 roundings of the gradient's largest element (where the plain implementation happens to be exact). Gradients are
+written into NaN-poisoned buffers (the backward op called directly), so an element the kernel never writes fails as
+non-finite. The cases: ragged lengths (1, 127, 129, 1000), seqlen_q != seqlen_k, both causal corners (rows that see
+no key: zero gradients), grouped (32/8) and multi-query heads (dK, dV summed over the query heads that read them),
+large V and peaked logits, strided and fused-QKV views, a gradient into the LSE, two calls bitwise equal. Each way
+of being wrong that the judge must see (CORRUPTIONS) is shown to fail it.
+"""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from verify.checks import DEFAULT_SCALE, make_inputs, replay, run_seed  # noqa: E402
+from verify.tests.conftest import needs_gpu  # noqa: E402
+
+pytestmark = needs_gpu
+
+GRADS = ("dq", "dk", "dv")
+FACTOR = 2.0            # the step's error may be this many times the plain bf16 implementation's
+FLOOR_MAX = 2.0**-8     # plus this much of the gradient's largest |element| (one or two bf16 roundings of it) ...
+FLOOR_FROB = 2.0**-9    # ... and this much relative Frobenius error
+
+
+@pytest.fixture
+def bwd_mod(mod):
+    if not mod.info.get("backward"):
+        pytest.skip(f"{mod.__name__} computes no backward")
+    return mod
+
+
+def _mask(nq, nk, causal, device):
+    if not causal:
+        return None
+    offset = 0 if causal == "top_left" else nk - nq
+    i = torch.arange(nq, device=device)[:, None]
+    return torch.arange(nk, device=device)[None, :] > i + offset  # True: the key is not seen
+
+
+def attention_of(q, k, v, scale, causal, p_dtype=None):
+    """O and LSE by the textbook formula in q's dtype (float64 for the reference; bf16 for the plain implementation,
+    whose scores and softmax are fp32 and whose P is rounded to bf16: p_dtype), differentiable by autograd. A row that
+    sees no key: O = 0, LSE = -inf, and no gradient flows through it (its scores are made 0 before the softmax, so
+    that no -inf - -inf turns a zero gradient into NaN, then its P is masked to 0)."""
+    heads = q.shape[1]
+    k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    s = torch.matmul(q, k.transpose(-1, -2))
+    s = (s.float() if p_dtype else s) * scale
+    mask = _mask(q.shape[2], k.shape[2], causal, q.device)
+    if mask is not None:
+        keyless = mask.all(dim=-1, keepdim=True)  # [seqlen_q, 1]
+        s = s.masked_fill(mask & ~keyless, -math.inf).masked_fill(keyless, 0.0)
+    p = torch.softmax(s, dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    if mask is not None:
+        p = p.masked_fill(mask, 0.0)
+        lse = lse.masked_fill(keyless[..., 0], -math.inf)
+    o = torch.matmul(p.to(p_dtype) if p_dtype else p, v)
+    return o, lse
+
+
+def grads_of(q, k, v, d_o, d_lse, scale, causal, p_dtype=None):
+    """dq, dk, dv of sum(O dO) + sum(LSE dLSE) through attention_of, in the inputs' dtype."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    o, lse = attention_of(*leaves, scale, causal, p_dtype)
+    outputs, grads = [o], [d_o.to(o.dtype)]
+    if d_lse is not None:
+        live = ~torch.isneginf(lse)  # a keyless row's LSE is a constant -inf: no gradient through it
+        outputs.append(torch.where(live, lse, 0.0))
+        grads.append(torch.where(live, d_lse.to(lse.dtype), 0.0))
+    return torch.autograd.grad(outputs, leaves, grads)
+
+
+class Case:
+    """Inputs, dO (and dLSE), the float64 reference's gradients and the plain bf16 implementation's errors."""
+
+    def __init__(self, label, q, k, v, causal=False, with_d_lse=False, scale=DEFAULT_SCALE):
+        self.label, self.q, self.k, self.v, self.causal, self.scale = label, q, k, v, causal, scale
+        gen = torch.Generator(device="cpu").manual_seed(run_seed() + q.shape[2] * 7919 + k.shape[2])
+        self.d_o = torch.randn(q.shape, generator=gen).to(q.device, torch.bfloat16)
+        self.d_lse = torch.randn(q.shape[:3], generator=gen).to(q.device) if with_d_lse else None
+        self.ref = grads_of(*(t.double() for t in (q, k, v)), self.d_o.double(),
+                            None if self.d_lse is None else self.d_lse.double(), scale, causal)
+        plain = grads_of(q, k, v, self.d_o, self.d_lse, scale, causal, p_dtype=torch.bfloat16)
+        self.plain = [self.errors(name, g) for name, g in zip(GRADS, plain)]
+
+    def errors(self, name, got):
+        ref = self.ref[GRADS.index(name)]
+        diff = (got.double() - ref)
+        norm = ref.norm().item()
+        return {"max_abs": diff.abs().max().item() if diff.numel() else 0.0,
+                "rel_frob": diff.norm().item() / norm if norm > 0 else (0.0 if diff.norm().item() == 0 else math.inf),
+                "ref_max": ref.abs().max().item() if ref.numel() else 0.0}
+
+    def failures(self, grads) -> list[str]:
+        bad = []
+        for name, got, plain in zip(GRADS, grads, self.plain):
+            if (nonfinite := int((~torch.isfinite(got)).sum())):
+                bad.append(f"{name}: {nonfinite} non-finite elements (NaN-poisoned and not written, or NaN/Inf computed)")
+                continue
+            err = self.errors(name, got)
+            floor = FLOOR_MAX * err["ref_max"]
+            if not err["max_abs"] <= FACTOR * plain["max_abs"] + floor:
+                bad.append(f"{name}: max error {err['max_abs']:.3g} > {FACTOR:g} x plain bf16's {plain['max_abs']:.3g} "
+                           f"+ {floor:.3g}")
+            if not err["rel_frob"] <= FACTOR * plain["rel_frob"] + FLOOR_FROB:
+                bad.append(f"{name}: relative Frobenius error {err['rel_frob']:.3g} > {FACTOR:g} x plain bf16's "
+                           f"{plain['rel_frob']:.3g} + {FLOOR_FROB:g}")
+        return bad
+
+
+def run_backward(mod, case: Case):
+    """The step's forward (o, lse), then its backward op into NaN-poisoned dq, dk, dv."""
+    q, k, v = case.q, case.k, case.v
+    o, lse = mod.attention(q, k, v, case.scale, causal=case.causal)
+    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
+    code = {False: 0, "top_left": 1, "bottom_right": 2}[case.causal]
+    getattr(torch.ops.flashladder, f"{mod.info['step']}_bwd")(q, k, v, o, lse, case.d_o, case.d_lse, dq, dk, dv,
+                                                              case.scale, code)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def assert_passes(mod, case, grads):
+    bad = case.failures(grads)
+    assert not bad, f"{mod.__name__} backward, {case.label}: {'; '.join(bad)}; {replay()}"
+
+
+# (batch, heads, heads_k, seqlen_q, seqlen_k, causal)
+CASES = [
+    (1, 2, 2, 1, 1, False),          # one query, one key
+    (2, 3, 3, 127, 127, False),      # a tile's worth minus one
+    (1, 2, 2, 129, 129, False),      # one past a tile
+    (1, 2, 2, 1000, 1000, False),    # ragged, many tiles
+    (2, 2, 2, 65, 300, False),       # seqlen_q < seqlen_k
+    (1, 2, 2, 300, 65, False),       # seqlen_q > seqlen_k
+    (1, 2, 2, 333, 333, "top_left"),
+    (1, 2, 2, 200, 333, "top_left"),
+    (1, 2, 2, 200, 333, "bottom_right"),
+    (1, 2, 2, 333, 200, "bottom_right"),  # the first 133 rows see no key: zero gradients from them
+    (1, 2, 2, 333, 200, "top_left"),
+    (1, 32, 8, 256, 256, False),     # Llama-3-8B's grouped heads
+    (1, 32, 8, 256, 384, "bottom_right"),
+    (2, 8, 1, 160, 160, "top_left"),  # multi-query
+]
+
+
+@pytest.mark.parametrize("shape", CASES, ids=lambda c: "x".join(map(str, c[:5])) + (f"-{c[5]}" if c[5] else ""))
+def test_backward_against_float64(bwd_mod, shape):
+    batch, heads, heads_k, nq, nk, causal = shape
+    q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k)
+    case = Case(f"{shape}", q, k, v, causal)
+    assert_passes(bwd_mod, case, run_backward(bwd_mod, case))
+
+
+@pytest.mark.parametrize("kind", ["large_v", "peaked"])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_backward_adversarial(bwd_mod, kind, causal):
+    """V 30x larger (large gradients into P); Q and K scaled so that each row's softmax is nearly one-hot."""
+    q, k, v = make_inputs(1, 2, 256, 320)
+    if kind == "large_v":
+        v = (v.float() * 30).to(torch.bfloat16)
+    else:
+        q, k = ((t.float() * 3).to(torch.bfloat16) for t in (q, k))
+    case = Case(kind, q, k, v, causal)
+    assert_passes(bwd_mod, case, run_backward(bwd_mod, case))
+
+
+def test_backward_with_a_gradient_into_the_lse(bwd_mod):
+    """A loss that reads the LSE too (dLSE != 0): dS gains P dLSE."""
+    q, k, v = make_inputs(1, 2, 200, 250)
+    case = Case("d_lse", q, k, v, "bottom_right", with_d_lse=True)
+    assert_passes(bwd_mod, case, run_backward(bwd_mod, case))
+
+
+def test_autograd_through_attention(bwd_mod):
+    """attention() is differentiable: torch.autograd.grad of a loss on (o, lse) gives the reference's gradients,
+    for strided q, k, v (a [batch, seqlen, heads, 128] tensor transposed, as models pass it) and a fused QKV view."""
+    b, n, h = 2, 192, 4
+    qkv = make_inputs(b, 3 * h, n, n)[0].transpose(1, 2).contiguous()  # [b, n, 3h, 128]
+    q, k, v = qkv.transpose(1, 2).split(h, dim=1)                      # views of one buffer, strided
+    case = Case("fused qkv", q, k, v, "top_left", with_d_lse=True)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    o, lse = bwd_mod.attention(*leaves, causal="top_left")
+    grads = torch.autograd.grad([o, lse], leaves, [case.d_o, case.d_lse])
+    assert all(g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+    assert_passes(bwd_mod, case, grads)
+
+
+def test_the_backward_is_deterministic(bwd_mod):
+    q, k, v = make_inputs(1, 8, 300, 300, heads_k=2)
+    case = Case("determinism", q, k, v, "top_left")
+    first, second = run_backward(bwd_mod, case), run_backward(bwd_mod, case)
+    for name, a, b in zip(GRADS, first, second):
+        assert torch.equal(a, b), f"{bwd_mod.__name__}: two backward calls gave different {name}"
+
+
+def test_the_sdpa_drop_in_routes_calls_that_need_gradients(bwd_mod):
+    """Inside sdpa(strict=True), a training step's SDPA call goes to the step, and its gradients are the step's."""
+    import torch.nn.functional as F
+    q, k, v = (t.detach().requires_grad_() for t in make_inputs(1, 4, 256, 256))
+    with bwd_mod.sdpa(strict=True) as router:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert router.routed == 1
+    out.float().square().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# Ways of being wrong that the judge must reject, applied to the step's own (correct) gradients.
+CORRUPTIONS = {
+    "dq_unscaled": lambda g: (g[0] / DEFAULT_SCALE, g[1], g[2]),      # the scale left out of dQ
+    "dk_one_key_zero": lambda g: (g[0], g[1].index_fill(2, torch.tensor([5], device=g[1].device), 0), g[2]),
+    "dv_off_5pct": lambda g: (g[0], g[1], g[2] * 1.05),
+    "dq_one_nan": lambda g: (g[0].index_fill(2, torch.tensor([7], device=g[0].device), math.nan), g[1], g[2]),
+    "dk_dv_swapped": lambda g: (g[0], g[2], g[1]),
+    "dk_of_one_query_head": lambda g: (g[0], g[1] / 4, g[2]),        # GQA: one of the group's four heads summed
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_the_judge_rejects_wrong_gradients(bwd_mod, kind):
+    q, k, v = make_inputs(1, 8, 160, 192, heads_k=2)
+    case = Case(kind, q, k, v, "top_left")
+    grads = run_backward(bwd_mod, case)
+    assert not case.failures(grads), "the step's own gradients must pass before the corrupted ones are judged"
+    assert case.failures(CORRUPTIONS[kind](grads)), f"the judge passed gradients corrupted by {kind}"
