@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", type=steps_mod.seqlens_arg, help="comma-separated N (default: 1024,...,16384; batch = 16384/N)")
     ap.add_argument("--no-checks", action="store_true", help="skip the pytest checks (a hung kernel then hangs the benchmark)")
     ap.add_argument("--no-bench", action="store_true", help="skip the benchmark (without a GPU: build, and run the checks that need none)")
+    ap.add_argument("--no-backward", action="store_true",
+                    help="skip the benchmark's backward table (the last step with a backward and SDPA cuDNN's and FLASH's "
+                         "backward, dense and causal, at N = 4K/8K/16K)")
     ap.add_argument("--no-causal", action="store_true",
                     help="skip the benchmark's causal table (the last step that takes causal masks, SDPA cuDNN and FA3, "
                          "causal and with Llama-3-8B's grouped heads, at N = 4K/8K/16K: 18 cells, about 40 s)")
@@ -114,7 +117,7 @@ def stage_labels(args) -> dict[str, str]:
 
 def run(args) -> int:
     """Build, check, benchmark, write: the whole job (main() has read the command line)."""
-    from verify import bench, report
+    from verify import backward_timing, bench, report
     steps = args.steps or steps_mod.all_steps()
     seqlens = args.seqlens or bench.SEQLENS_OF_RECORD
     out, junit_dir = args.out, (args.out / "checks" if args.out else None)
@@ -181,6 +184,12 @@ def run(args) -> int:
     if causal:
         log(f"  causal table: {causal.name} at N = {', '.join(map(str, bench.causal_seqlens(seqlens))) or '(none of this run)'}")
     timing = bench.run(impls, seqlens, timing=bench.timing_from_args(args), log=log, causal=causal)
+    with_backward = [s for s, m in timed.items() if m.info.get("backward")]
+    bwd_seqlens = backward_timing.backward_seqlens(seqlens)
+    if with_backward and bwd_seqlens and not args.no_backward:  # the last step with a backward, beside SDPA's
+        log(f"  backward table: {with_backward[-1]} at N = {', '.join(map(str, bwd_seqlens))}, dense and causal")
+        timing["backward"] = backward_timing.run({with_backward[-1]: timed[with_backward[-1]]}, bwd_seqlens,
+                                          bench.timing_from_args(args), log=log)
     meta["clocks_after"] = machine.smi().get("clocks", {})
 
     log(f"{stage['write']} writing results")
@@ -200,12 +209,16 @@ def run(args) -> int:
         shutil.copyfile(png_path, ROOT / "results" / "latest.png")
         if report.update_readme(ROOT / "README.md", report.markdown_table(run), "results/latest.png"):
             log("  README.md results table regenerated")
+        if report.update_readme_backward(ROOT / "README.md", run):
+            log("  README.md backward table regenerated")
     if out:
         for p in (json_path, png_path):
             shutil.copyfile(p, out / p.name)
     log(f"  wrote {json_path.relative_to(ROOT)} and {png_path.name}" + (f" (copies in {out})" if out else ""))
     log("")
     log(report.console_table(run))
+    if run.get("backward"):
+        log("\n" + report.backward_console_table(run))
     if failed:
         log(f"\nCHECKS FAILED for {', '.join(failed)} (not benchmarked); see the pytest output above")
     return code

@@ -664,8 +664,8 @@ def newest_run() -> tuple[str, dict]:
 def two_cells(run: dict):
     """Two implementations measured at the same N: (impl a, impl b, N, tflops a, tflops b)."""
     timings = {k: v for k, v in run["timings"].items() if k != "cublas_gemm"}
-    for n in run["seqlens"]:
-        have = [impl for impl, by_n in timings.items() if str(n) in by_n]
+    for n in run.get("seqlens") or sorted({int(n) for by_n in timings.values() for n in by_n}):
+        have = [impl for impl, by_n in timings.items() if "tflops" in by_n.get(str(n), {})]
         if len(have) >= 2:
             a, b = have[:2]
             return a, b, n, timings[a][str(n)]["tflops"], timings[b][str(n)]["tflops"]

@@ -114,7 +114,9 @@ def test_chart_has_a_linear_panel_of_ratios_to_cudnn(tmp_path):
     assert len(fig.axes) == 1, "no ratio panel without cuDNN figures"
 
 
-RESULTS = sorted(p for p in (ROOT / "results").rglob("*.json") if "timings" in json.loads(p.read_text()))
+RESULTS = sorted(p for p in (ROOT / "results").rglob("*.json")
+                 if "timings" in json.loads(p.read_text()) and not report.backward_of(json.loads(p.read_text())))
+BACKWARD_RESULTS = sorted(p for p in (ROOT / "results").rglob("*.json") if report.backward_of(json.loads(p.read_text())))
 
 
 @pytest.mark.parametrize("path", RESULTS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -127,6 +129,15 @@ def test_every_committed_results_file_renders(path, tmp_path):
     cells = [c for impl, cs in run["timings"].items() if impl != "cublas_gemm" for c in cs.values()]
     if not all("window_calls" in c for c in cells):
         assert "boost-clock bursts" in note, note
+
+
+@pytest.mark.parametrize("path", BACKWARD_RESULTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_committed_backward_file_renders(path):
+    """python -m verify.backward --report FILE: a row per implementation, each with a figure."""
+    run = report.load(path)
+    rows = report.backward_rows(run)
+    assert rows and all(any(v for v in r["tflops"].values()) for r in rows)
+    assert report.backward_markdown_table(run) and report.backward_console_table(run)
 
 
 def test_there_are_committed_results_files():

@@ -1,0 +1,79 @@
+"""The backward's timing (python -m verify.backward, and python -m verify's backward table): the backward pass alone,
+beside SDPA's backends, timed as verify/bench.py times a forward.
+
+For each implementation and N (batch = 16K / N, 16 heads, d = 128, bf16): O is computed once with gradients, then
+`torch.autograd.grad(o, (q, k, v), dO)` is what is timed (L2 flushed before each call, warm-up until the SM clock
+settles, the median of a window). TFLOP/s are counted as FlashAttention counts them: 2.5 x the forward's 4 B H N^2 d
+(causal: half). Rows are named as the forward's causal rows are: stepNN_bwd, stepNN_bwd_causal, sdpa_cudnn_bwd, ...
+"""
+from __future__ import annotations
+
+from verify import bench
+from verify import steps as steps_mod
+
+BACKWARD_FLOPS = 2.5  # the backward's FLOPs over the forward's: five GEMMs of Q K^T's size to the forward's two
+SEQLENS = [4096, 8192, 16384]  # the backward table's N (those of a run's seqlens)
+
+
+def steps_with_backward() -> list[str]:
+    """The steps whose kernel.cu exports a backward (flashladder_bwd)."""
+    return [s for s in steps_mod.all_steps() if "flashladder_bwd(" in (steps_mod.ROOT / "steps" / s / "kernel.cu").read_text()]
+
+
+def backward_fn(forward, q, k, v):
+    """A call that runs the backward alone: O is computed once, with gradients, outside it."""
+    import torch
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o = forward(q, k, v)
+    d_o = torch.randn_like(o)
+
+    def fn():
+        return torch.autograd.grad(o, (q, k, v), d_o, retain_graph=True)
+    return fn
+
+
+def implementations(steps: dict, causal: bool) -> dict:
+    """name -> forward(q, k, v) returning O with its autograd graph: each step of `steps` ({step: module}), then SDPA
+    cuDNN and FLASH."""
+    mask = "top_left" if causal else False
+    fns = {f"{step}_bwd": (lambda q, k, v, mod=mod: mod.attention(q, k, v, causal=mask)[0]) for step, mod in steps.items()}
+    for backend, name in (("CUDNN_ATTENTION", "sdpa_cudnn"), ("FLASH_ATTENTION", "sdpa_flash")):
+        fns[f"{name}_bwd"] = lambda q, k, v, backend=backend: bench.sdpa_fn(backend, q, k, v, is_causal=causal)()
+    return {(f"{name}_causal" if causal else name): fn for name, fn in fns.items()}
+
+
+def backward_seqlens(seqlens: list[int]) -> list[int]:
+    """The backward table's N in a run of `seqlens`: those of SEQLENS it has."""
+    return [n for n in SEQLENS if n in seqlens]
+
+
+def run(steps: dict, seqlens: list[int], timing: bench.Timing | None = None, log=print, causal: bool = True) -> dict:
+    """Time the backward of `steps` ({step: module}, each with info["backward"]) and SDPA's at each N, dense (and causal):
+    {"step": the last of them, "seqlens", "flops", "method", "timings": {name: {N: cell}}, "unavailable": {name: {N: why}}}
+    (what a results file keeps under "backward"; verify/report.py draws its table)."""
+    import torch
+    timing, flush = timing or bench.Timing(), bench.L2Flush()
+    timings: dict = {}
+    unavailable: dict = {}
+    with bench.ClockSampler() as sampler:
+        if sampler.source:
+            timing = bench.fit_to_clock(timing, sampler.interval_s)
+        for masked in ([False, True] if causal else [False]):
+            for n in seqlens:
+                batch, heads, _ = bench.shape_of(n)
+                gen = torch.Generator(device="cuda").manual_seed(n)
+                q, k, v = (torch.randn(batch, heads, n, 128, device="cuda", generator=gen).add_(0.5).to(torch.bfloat16)
+                           for _ in range(3))
+                work = BACKWARD_FLOPS * (bench.causal_flops if masked else bench.flops)(batch, heads, n)
+                for name, forward in implementations(steps, masked).items():
+                    fn = backward_fn(forward, q, k, v)
+                    if why := bench.refusal(fn):
+                        unavailable.setdefault(name, {})[str(n)] = why
+                        log(f"  N={n:<6} {name}: not timed: {why}")
+                        continue
+                    cell = bench.with_tflops(bench.measure(fn, flush, sampler, timing), work)
+                    cell["batch"], cell["heads"] = batch, heads
+                    timings.setdefault(name, {})[str(n)] = cell
+                    log(bench.log_line(f"N={n:<6} {name}", cell))
+    return {"step": list(steps)[-1], "seqlens": seqlens, "flops": f"{BACKWARD_FLOPS} x 4 B H N^2 d (causal: half)",
+            "method": timing.describe(), "timings": timings, "unavailable": unavailable}

@@ -1,0 +1,73 @@
+"""CPU: the backward's table (verify/report.py) and python -m verify.backward's command line, no GPU work.
+
+The README's backward table is what the results file it names gives (regenerated here and compared); the ratios are
+the file's figures divided; a bad command line is one line and exit code 2.
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verify import backward_timing, report
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+
+def readme_backward() -> str:
+    text = README.read_text()
+    return text[text.index(report.BACKWARD_BEGIN) + len(report.BACKWARD_BEGIN):text.index(report.BACKWARD_END)].strip()
+
+
+def cited_file() -> Path:
+    m = re.search(r"Source: `(results/[^`]+\.json)`", readme_backward())
+    assert m, "the README's backward table names no results file"
+    return ROOT / m.group(1)
+
+
+def test_the_readme_backward_table_is_what_its_results_file_gives():
+    run = report.load(cited_file())
+    run["path"] = str(cited_file().relative_to(ROOT))
+    assert readme_backward() == report.backward_markdown_table(run), \
+        "README.md's backward table is stale: python -m verify.backward --report " + run["path"]
+
+
+def test_the_ratios_are_the_files_figures_divided():
+    run = report.load(cited_file())
+    b = report.backward_of(run)
+    rows = {r["impl"]: r for r in report.backward_rows(run)}
+    step = f"{b['step']}_bwd"
+    assert step in rows and "sdpa_cudnn_bwd" in rows
+    for n in b["seqlens"]:
+        mine, cudnn = (b["timings"][name][str(n)]["tflops"] for name in (step, "sdpa_cudnn_bwd"))
+        assert rows[step]["vs_cudnn"][n] == pytest.approx(mine / cudnn)
+    assert rows["sdpa_cudnn_bwd"]["vs_cudnn"] == {}
+
+
+def test_a_run_without_a_backward_has_no_table():
+    assert report.backward_markdown_table({"timings": {"step22": {}}}) == ""
+    assert report.backward_of({"timings": {"step22": {"4096": {"tflops": 1.0}}}}) is None
+
+
+def test_the_steps_with_a_backward_are_found_by_their_export():
+    found = backward_timing.steps_with_backward()
+    assert found and all("flashladder_bwd(" in (ROOT / "steps" / s / "kernel.cu").read_text() for s in found)
+    assert "step22" not in found
+
+
+def test_the_backward_table_takes_the_seqlens_of_the_run():
+    assert backward_timing.backward_seqlens([1024, 4096, 16384, 32760]) == [4096, 16384]
+    assert backward_timing.backward_seqlens([1024]) == []
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--report", "no/such/file.json"], "cannot read"),
+    (["--steps", "1"], "no selected step has a backward"),
+    (["--seqlens", "0"], "sequence lengths must be positive"),
+])
+def test_a_bad_command_line_is_one_line(argv, says):
+    res = subprocess.run([sys.executable, "-m", "verify.backward", *argv], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert res.returncode == 2 and says in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
