@@ -64,7 +64,7 @@ class Step:
         self.limits = SdpaLimits(step, self.seqlen_multiple, tuple(self.archs), self.smem_bytes, features=self.features,
                                  backward=self.has_backward)
         self.fwd, self.fwd_out = self.register_ops()
-        self.bwd = self.register_backward() if self.has_backward else None
+        self.bwd = self.register_backward() if self.has_backward else self.refuse_backward()
         # Said at import, so that it comes before torch's own error at the first CUDA call (e.g. torch.randn(device="cuda")).
         if why := checks.no_cuda_reason():  # stacklevel 4: the line that imports the step (pkg/__init__.py calls bind_step)
             warnings.warn(f"flashladder.{step}: {why}; the kernel runs on {checks.runs_on(self.archs)} with a CUDA build "
@@ -97,7 +97,7 @@ class Step:
         as q is (a [batch, seqlen, heads, 128] tensor transposed gives o the same; output_like).
         scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
         Gradients (info["backward"]): torch's autograd reaches q, k and v through o and lse (the step's backward);
-        a step without one raises when a gradient is asked of it.
+        a step without one says so, in one line, when a gradient is asked of it.
         Empty inputs (batch, heads or seqlen_q of 0) give empty outputs without a launch; with seqlen_k = 0
         every row has no key: o = 0 and lse = -inf (what softmax over nothing tends to; no launch either).
         """
@@ -165,6 +165,17 @@ class Step:
 
         self.fwd.register_autograd(backward, setup_context=setup_context)
         return bwd
+
+    def refuse_backward(self) -> None:
+        """The forward op's autograd formula in a step without a backward: a gradient asked of it raises, saying so
+        (rather than torch's "no autograd formula was registered"). The forward itself runs, grad mode or not."""
+        step = self.step
+
+        def backward(ctx, d_o, d_lse):
+            raise RuntimeError(f"flashladder.{step} computes no backward (info['backward'] is False): gradients come "
+                               "from step23 on; or run the forward under torch.no_grad()")
+
+        self.fwd.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
 
     def launch_bwd(self, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale: float, causal: int) -> None:
         """One backward call of the library on checked tensors, on the current stream."""

@@ -363,3 +363,61 @@ def test_lse_needs_only_4_byte_alignment(mod):
     mod.attention_out(q, k, v, o, lse)
     o_ref, lse_ref = mod.attention(q, k, v)
     assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), replay()
+
+
+# ---------------------------------------------------------------- gradients (CPU: the ops' fake implementations)
+
+def test_bwd_params_mirror_mismatch_is_refused(mod, monkeypatch):
+    """A ctypes mirror of BwdParams that disagrees with the library's struct, in a step with a backward."""
+    if not mod.info["backward"]:
+        pytest.skip(f"{mod.__name__} has no backward")
+    binding = mod._binding
+
+    class Mirror(ctypes.Structure):
+        _fields_ = [*binding.abi.BwdParams._fields_, ("extra", ctypes.c_int64)]
+    monkeypatch.setattr(binding.abi, "BwdParams", Mirror)
+    with pytest.raises(ImportError, match="sizeof\\(BwdParams\\) is .* the two disagree"):
+        binding.load_library(Path(mod.info["library"]))
+
+
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+def test_gradients_reach_q_k_v_through_the_backward_op(mod, causal):
+    """On meta tensors (the ops' fake implementations, what torch.compile traces): autograd of (o, lse) runs the
+    step's backward op and gives dq, dk, dv of q's, k's and v's shapes and layouts; grouped heads included."""
+    if not mod.info["backward"]:
+        pytest.skip(f"{mod.__name__} has no backward")
+    q = meta((2, 8, 96, 128)).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # a model's layout
+    k, v = (meta((2, 2, 160, 128)).requires_grad_() for _ in range(2))
+    o, lse = mod.attention(q, k, v, causal=causal)
+    dq, dk, dv = torch.autograd.grad((o, lse), (q, k, v), (torch.ones_like(o), torch.ones_like(lse)))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.stride() == q.stride() and dq.dtype == BF16
+
+
+def test_a_step_without_a_backward_says_so(mod):
+    if mod.info["backward"]:
+        pytest.skip(f"{mod.__name__} has a backward")
+    n = seqlen(mod)
+    q = meta((1, 2, n, 128)).requires_grad_()
+    o, _ = mod.attention(q, q, q)  # the forward runs in grad mode
+    with pytest.raises(RuntimeError, match=f"flashladder.{mod.info['step']} computes no backward"):
+        torch.autograd.grad(o, q, torch.ones_like(o))
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("d_o", "d_o must be a bf16 tensor of shape"),
+    ("d_lse", "d_lse must be a contiguous float32 tensor"),
+    ("dk", "dk must be a bf16 tensor of shape"),
+])
+def test_the_backward_op_checks_its_tensors(mod, bad, says):
+    if not mod.info["backward"]:
+        pytest.skip(f"{mod.__name__} has no backward")
+    q, kv = meta((1, 4, 64, 128)), meta((1, 2, 80, 128))
+    o, lse = meta((1, 4, 64, 128)), torch.empty(1, 4, 64, device="meta")
+    args = dict(d_o=meta((1, 4, 64, 128)), d_lse=None, dq=meta((1, 4, 64, 128)), dk=meta((1, 2, 80, 128)),
+                dv=meta((1, 2, 80, 128)))
+    args[bad] = {"d_o": meta((1, 4, 65, 128)), "d_lse": torch.empty(1, 4, 64, device="meta", dtype=torch.float64),
+                 "dk": meta((1, 4, 80, 128))}[bad]
+    op = getattr(torch.ops.flashladder, f"{mod.info['step']}_bwd")
+    with pytest.raises(ValueError, match=f"flashladder.{mod.info['step']}: {says}"):
+        op(q, kv, kv, o, lse, args["d_o"], args["d_lse"], args["dq"], args["dk"], args["dv"], 0.1, 0)
