@@ -1837,6 +1837,51 @@ def work_tile_coords(k: Code):
     return fig
 
 
+
+@picture("backward_walks.png")
+def backward_walks(k: Code):
+    tile = k.step("step23", "BWD_TILE")
+    head_dim = k.head_dim()
+    nq, nk = 8, 8                                # an example: 8 query tiles, 8 key tiles, causal (top left)
+    j, i = 2, 5                                  # the key tile of the dK/dV CTA shown, the query tile of the dQ CTA
+    fig = plt.figure(figsize=(13, 6.6))
+    fig.suptitle(f"step23, the backward written plainly: P and dS recomputed tile by tile ({tile} queries x {tile} keys), "
+                 "walked twice", fontsize=13)
+    for panel, (x0, title) in enumerate(((0.02, f"dK, dV: one CTA per key tile (here tile {j}) walks down its column"),
+                                         (0.51, f"dQ: one CTA per query tile (here tile {i}) walks along its row"))):
+        ax = fig.add_axes([x0, 0.2, 0.47, 0.68])
+        blank(ax, (-2.2, nk + 0.4), (-0.6, nq + 1.6))
+        ax.set_title(title, fontsize=10.5)
+        for qi in range(nq):
+            for kj in range(nk):
+                y = nq - 1 - qi
+                seen = kj <= qi                  # causal: key tile kj has a key some query of tile qi sees
+                walked = seen and (kj == j if panel == 0 else qi == i)
+                colour = (C_COMPUTE if walked else "#f3f3f3") if seen else "white"
+                box(ax, kj, y, 1, 1, "P, dS" if walked else "", colour, edge="#bbbbbb", size=7, lw=0.6)
+        for kj in range(nk):
+            box(ax, kj, nq + 0.2, 1, 0.8, f"K{kj} V{kj}", C_TMA if (panel == 0 and kj == j) else C_LIGHT, size=7,
+                color="white" if (panel == 0 and kj == j) else "black")
+        for qi in range(nq):
+            box(ax, -2.0, nq - 1 - qi, 1.8, 1, f"Q{qi} dO{qi}", C_TMA if (panel == 1 and qi == i) else C_LIGHT, size=7,
+                color="white" if (panel == 1 and qi == i) else "black")
+        if panel == 0:
+            arrow(ax, (j + 0.5, nq - j - 0.1), (j + 0.5, 0.1), C_GRID)
+            ax.text(nk / 2 - 1, -0.3, f"dV{j} += P$^T$ dO,  dK{j} += scale dS$^T$ Q: in registers, written once;\nthe walk "
+                    "starts at the diagonal (the tiles above it see no key of the column)", ha="center", va="top", fontsize=8.5)
+        else:
+            arrow(ax, (0.1, nq - 1 - i + 0.5), (i + 0.9, nq - 1 - i + 0.5), C_GRID)
+            ax.text(nk / 2 - 1, -0.3, f"dQ{i} += scale dS K: in registers, written once;\nthe walk ends at the diagonal",
+                    ha="center", va="top", fontsize=8.5)
+    caption(fig, "Per tile, from what the forward kept (O and each row's LSE; never P): S = scale Q K$^T$, "
+            "P = exp(S - LSE), dP = dO V$^T$, dS = P (dP - D) with D = rowsum(dO O), one number per query row that a "
+            f"first kernel makes. Each CTA holds its tiles in shared memory as fp32 ({head_dim} dims a row) and its "
+            "gradient rows in registers; every output element has one writer, so no atomics and the same bits every "
+            "call, at the price of recomputing P and dS twice (once per walk). Grey: tiles the other CTAs walk; white: "
+            "above the diagonal, skipped.", y=0.01, width=175)
+    return fig
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python docs/pictures.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="pictures to draw (file names, .png optional; default: all)")

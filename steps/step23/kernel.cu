@@ -26,6 +26,7 @@
 //   large V, peaked logits, fused QKV views, a gradient into the LSE, two calls bitwise equal, the SDPA drop-in),
 //   and six corruptions of its gradients rejected; compute-sanitizer clean (san_memcheck_step23_*.txt,
 //   san_racecheck_step23_*.txt there); test_sass.py: the forward kernels step22's, opcode for opcode.
+// PICTURES: docs/img/backward_walks.png.
 #include <climits>
 
 #include "flashladder.cuh"
