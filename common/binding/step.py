@@ -152,11 +152,13 @@ class Step:
 
         def backward(ctx, d_o, d_lse):
             q, k, v, o, lse = ctx.saved_tensors
-            # autograd may hand a gradient of any layout (an expanded scalar's has stride 0): the kernel reads rows
-            # with a contiguous last dim.
+            # autograd may hand a gradient of any layout (an expanded scalar's has stride 0, a slice any offset): the
+            # kernels read dO's rows as they read q's (checks.check_inputs' rules: a contiguous last dim, strides and
+            # offset in multiples of 8 elements, 16 bytes), so anything else is copied once.
             if d_o is None:
                 d_o = torch.zeros_like(o)
-            elif d_o.stride(-1) != 1 or 0 in d_o.stride():
+            elif (d_o.stride(-1) != 1 or 0 in d_o.stride() or d_o.storage_offset() % 8
+                  or any(s % 8 for s in abi.kernel_strides(d_o))):
                 d_o = d_o.contiguous()
             d_lse = None if d_lse is None else d_lse.to(torch.float32).contiguous()
             dq, dk, dv = output_like(q), output_like(k), output_like(v)
