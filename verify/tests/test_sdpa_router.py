@@ -130,6 +130,13 @@ def test_what_falls_back_and_why(case, on_h200):
     assert binding.route_reason(described(args, kwargs, device), LIMITS, grad_enabled=True) == reason
 
 
+def test_a_step_with_a_backward_takes_the_calls_that_need_gradients(on_h200):
+    """info["backward"] (SdpaLimits.backward): a call that needs gradients is routed; without it, it falls back."""
+    call = described(qkv(requires_grad=True), {})
+    assert binding.route_reason(call, LIMITS._replace(backward=True), grad_enabled=True) is None
+    assert binding.route_reason(call, LIMITS, grad_enabled=True).startswith("gradients are needed")
+
+
 def gqa(heads=4, heads_k=2, n=128, nk=None, b=1, b_k=None):
     nk = n if nk is None else nk
     return meta(b, heads, n, 128), meta(b if b_k is None else b_k, heads_k, nk, 128), meta(b if b_k is None else b_k, heads_k, nk, 128)
