@@ -1,5 +1,5 @@
 """The backward's timing (python -m verify.backward, and python -m verify's backward table): the backward pass alone,
-beside SDPA's backends, timed as verify/bench.py times a forward.
+beside SDPA's backends and FlashAttention-4 (where flash-attn-4 is installed), timed as verify/bench.py times a forward.
 
 For each implementation and N (batch = 16K / N, 16 heads, d = 128, bf16): O is computed once with gradients, then
 `torch.autograd.grad(o, (q, k, v), dO)` is what is timed (L2 flushed before each call, warm-up until the SM clock
@@ -32,13 +32,31 @@ def backward_fn(forward, q, k, v):
     return fn
 
 
-def implementations(steps: dict, causal: bool) -> dict:
+def fa4_attention():
+    """FlashAttention-4's attention (flash-attn-4, its CuTe DSL kernels: on Hopper its sm90 forward and backward) as
+    forward(q, k, v, causal) on torch's [batch, heads, seqlen, d] layout, or (None, why not). Optional, as FA3 is: never
+    a dependency of a step."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # not installed, or its CUTLASS DSL missing: say which
+        return None, f"FlashAttention-4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+    def forward(q, k, v, causal=False):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        out = out[0] if isinstance(out, tuple) else out  # (out, lse) in the versions that return both
+        return out.transpose(1, 2)
+    return forward, None
+
+
+def implementations(steps: dict, causal: bool, fa4=None) -> dict:
     """name -> forward(q, k, v) returning O with its autograd graph: each step of `steps` ({step: module}), then SDPA
-    cuDNN and FLASH."""
+    cuDNN and FLASH, then FlashAttention-4 where `fa4` (fa4_attention()) is given."""
     mask = "top_left" if causal else False
     fns = {f"{step}_bwd": (lambda q, k, v, mod=mod: mod.attention(q, k, v, causal=mask)[0]) for step, mod in steps.items()}
     for backend, name in (("CUDNN_ATTENTION", "sdpa_cudnn"), ("FLASH_ATTENTION", "sdpa_flash")):
         fns[f"{name}_bwd"] = lambda q, k, v, backend=backend: bench.sdpa_fn(backend, q, k, v, is_causal=causal)()
+    if fa4 is not None:
+        fns["fa4_bwd"] = lambda q, k, v: fa4(q, k, v, causal=causal)
     return {(f"{name}_causal" if causal else name): fn for name, fn in fns.items()}
 
 
@@ -55,6 +73,10 @@ def run(steps: dict, seqlens: list[int], timing: bench.Timing | None = None, log
     timing, flush = timing or bench.Timing(), bench.L2Flush()
     timings: dict = {}
     unavailable: dict = {}
+    fa4, why_not_fa4 = fa4_attention()
+    if fa4 is None:
+        log(f"  fa4_bwd: {why_not_fa4}")
+        unavailable["fa4_bwd"] = {"all": why_not_fa4}
     with bench.ClockSampler() as sampler:
         if sampler.source:
             timing = bench.fit_to_clock(timing, sampler.interval_s)
@@ -65,7 +87,7 @@ def run(steps: dict, seqlens: list[int], timing: bench.Timing | None = None, log
                 q, k, v = (torch.randn(batch, heads, n, 128, device="cuda", generator=gen).add_(0.5).to(torch.bfloat16)
                            for _ in range(3))
                 work = BACKWARD_FLOPS * (bench.causal_flops if masked else bench.flops)(batch, heads, n)
-                for name, forward in implementations(steps, masked).items():
+                for name, forward in implementations(steps, masked, fa4).items():
                     fn = backward_fn(forward, q, k, v)
                     if why := bench.refusal(fn):
                         unavailable.setdefault(name, {})[str(n)] = why

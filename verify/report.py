@@ -314,7 +314,7 @@ def causal_console_table(run: dict) -> str:
 
 # ---- the backward table (verify/backward.py's run: a results file's "backward") ----
 
-BACKWARD_LABELS = {"sdpa_cudnn_bwd": "SDPA cuDNN", "sdpa_flash_bwd": "SDPA FLASH (FA2)"}
+BACKWARD_LABELS = {"sdpa_cudnn_bwd": "SDPA cuDNN", "sdpa_flash_bwd": "SDPA FLASH (FA2)", "fa4_bwd": "FlashAttention-4"}
 
 
 def backward_of(run: dict) -> dict | None:
@@ -358,7 +358,9 @@ def backward_note(run: dict) -> str:
             "as the forward is timed), TFLOP/s counting 2.5 times the forward's FLOPs (causal: half); batch = "
             f"{TOTAL_TOKENS // 1024}K/N, {HEADS} heads, d = {HEAD_DIM}, bf16; causal: SDPA's is_causal=True. "
             "× cuDNN: over SDPA cuDNN's backward in the same shape and mask. Source: "
-            f"`{run.get('path') or b.get('path', 'the results file')}`.")
+            f"`{run.get('path') or b.get('path', 'the results file')}`."
+            + "".join(f" Not timed: {BACKWARD_LABELS.get(name, name)} ({next(iter(why.values()))})."
+                      for name, why in (b.get("unavailable") or {}).items() if why and name not in b["timings"]))
 
 
 def backward_markdown_table(run: dict) -> str:

@@ -71,3 +71,27 @@ def test_a_bad_command_line_is_one_line(argv, says):
     res = subprocess.run([sys.executable, "-m", "verify.backward", *argv], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert res.returncode == 2 and says in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_flashattention_4_is_optional_and_called_in_its_own_layout(monkeypatch):
+    """Without flash-attn-4 the table goes on without it, saying why; with it (a stand-in here), FA4 gets
+    [batch, seqlen, heads, d] views and its O comes back in torch's layout."""
+    import types
+
+    import torch
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # an import of it fails, as where it is not installed
+    fa4, why = backward_timing.fa4_attention()
+    assert fa4 is None and why.startswith("FlashAttention-4 not importable")
+    seen = {}
+
+    def flash_attn_func(q, k, v, causal=False):
+        seen.update(shape=tuple(q.shape), causal=causal)
+        return q * 2, None
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func = flash_attn_func
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    fa4, why = backward_timing.fa4_attention()
+    q = torch.randn(2, 4, 16, 8)
+    out = backward_timing.implementations({}, True, fa4)["fa4_bwd_causal"](q, q, q)
+    assert why is None and seen == {"shape": (2, 16, 4, 8), "causal": True} and torch.equal(out, q * 2)
