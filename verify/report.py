@@ -359,7 +359,7 @@ def backward_note(run: dict) -> str:
             f"{TOTAL_TOKENS // 1024}K/N, {HEADS} heads, d = {HEAD_DIM}, bf16; causal: SDPA's is_causal=True. "
             "× cuDNN: over SDPA cuDNN's backward in the same shape and mask. Source: "
             f"`{run.get('path') or b.get('path', 'the results file')}`."
-            + "".join(f" Not timed: {BACKWARD_LABELS.get(name, name)} ({next(iter(why.values()))})."
+            + "".join(f" Not timed: {next(iter(why.values()))}."
                       for name, why in (b.get("unavailable") or {}).items() if why and name not in b["timings"]))
 
 
