@@ -421,3 +421,18 @@ def test_the_backward_op_checks_its_tensors(mod, bad, says):
     op = getattr(torch.ops.flashladder, f"{mod.info['step']}_bwd")
     with pytest.raises(ValueError, match=f"flashladder.{mod.info['step']}: {says}"):
         op(q, kv, kv, o, lse, args["d_o"], args["d_lse"], args["dq"], args["dk"], args["dv"], 0.1, 0)
+
+
+def test_torch_compile_traces_the_backward(mod):
+    """fullgraph torch.compile (AOTAutograd traces the joint graph) through the forward op and the backward op, on
+    meta tensors: no graph break, gradients of the inputs' shapes."""
+    if not mod.info["backward"]:
+        pytest.skip(f"{mod.__name__} has no backward")
+    leaves = [meta((1, 4, 256, 128)).requires_grad_(), meta((1, 2, 320, 128)).requires_grad_(),
+              meta((1, 2, 320, 128)).requires_grad_()]
+
+    def loss(q, k, v):
+        o, lse = mod.attention(q, k, v, causal="bottom_right")
+        return (o.float() ** 2).sum() + lse.sum()
+    grads = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*leaves), leaves)
+    assert [g.shape for g in grads] == [t.shape for t in leaves]
