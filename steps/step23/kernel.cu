@@ -20,11 +20,11 @@
 // PREDICTION: correct to the forward's standard (within 2x a plain bf16 backward's error), and slow: the inner loops
 //   read shared memory for every one or two FMAs, so a few TFLOP/s, about 1% of cuDNN's backward.
 // MEASURED (results/h200/backward-2026-12-03T16-50-27Z.json, the backward alone, N = 1K / 4K): 6.5 / 6.7 TFLOP/s,
-//   0.016 / 0.013x SDPA cuDNN's backward (419.2 / 504.3); causal 6.0 / 6.5. As predicted: the forward is step22's.
-// CHECKED (results/h200/2026-12-03-step23/checks_backward_step23.log): dQ, dK, dV within 2x a plain bf16
-//   backward's error of float64 autograd's (ragged, both causal corners, keyless rows, grouped and multi-query heads,
-//   large V, peaked logits, fused QKV views, a gradient into the LSE, two calls bitwise equal, the SDPA drop-in),
-//   and six corruptions of its gradients rejected; compute-sanitizer clean (san_memcheck_step23_*.txt,
+//   0.016 / 0.013x SDPA cuDNN's backward (419.2 / 504.3); causal 6.0 / 6.5: as slow as predicted.
+// CHECKED (results/h200/2026-12-03-step23/checks_backward_step23.log): dQ, dK, dV against float64 autograd, each
+//   within 2x a plain bf16 backward's error (ragged, both causal corners, keyless rows, grouped and multi-query heads,
+//   large V, peaked logits, fused QKV views, a gradient into the LSE, two calls bitwise equal, the SDPA drop-in), and
+//   six corruptions of its gradients rejected; compute-sanitizer clean (san_memcheck_step23_*.txt,
 //   san_racecheck_step23_*.txt there); test_sass.py: the forward kernels step22's, opcode for opcode.
 // PICTURES: docs/img/backward_walks.png.
 #include <climits>
