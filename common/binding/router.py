@@ -97,7 +97,8 @@ class SdpaLimits(NamedTuple):
     smem_bytes: Optional[int] = None  # shared memory a block asks for (info["smem_bytes"]; None: fits every GPU)
     devices: tuple = ("cuda",)   # device types it runs on (the CPU tests add "cpu" or "meta" for a stand-in op)
     features: int = 0            # FEATURE_CAUSAL | FEATURE_GQA: info["causal"], info["gqa"]
-    backward: bool = False       # gradients through it (info["backward"]): calls that need them are routed too
+    backward: bool = False       # gradients through it (info["backward"]): calls that need them are routed too ...
+    gradients: bool = True       # ... unless the drop-in was asked to leave them to torch (sdpa(gradients=False))
 
 
 class CausalMask(NamedTuple):
@@ -169,8 +170,11 @@ def route_reason(call: Optional[dict], limits: SdpaLimits, grad_enabled: bool) -
         if not limits.features & FEATURE_GQA:
             return (f"enable_gqa with {q.shape[1]} query heads and {k.shape[1]} key/value heads: the step needs as many "
                     "key/value heads as query heads")
-    if grad_enabled and (q.requires_grad or k.requires_grad or v.requires_grad) and not limits.backward:
-        return "gradients are needed: the step computes no backward (run the model under torch.no_grad())"
+    if grad_enabled and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if not limits.backward:
+            return "gradients are needed: the step computes no backward (run the model under torch.no_grad())"
+        if not limits.gradients:
+            return "gradients are needed: sdpa(gradients=False) leaves such calls to torch"
     try:
         checks.check_scale(limits.step, checks.check_types(limits.step, call["scale"]))
         # The op's own checks of the tensors, on meta tensors of the same shapes, strides and dtypes.

@@ -110,15 +110,17 @@ class Step:
         scale = checks.check_types(self.step, scale, q=q, k=k, v=v, o=o, lse=lse)
         self.fwd_out(q, k, v, o, lse, scale, checks.check_causal(self.step, causal, self.features))
 
-    def sdpa(self, strict: bool = False) -> SdpaRouter:
+    def sdpa(self, strict: bool = False, gradients: bool = True) -> SdpaRouter:
         """A drop-in for torch's SDPA: `with sdpa() as r: model(x)` sends each torch.nn.functional.scaled_dot_product_attention
         call that this step can take (CUDA, bf16, head dim 128, [batch, heads, seqlen, 128] with a contiguous last dim,
-        equal heads (or, info["gqa"], fewer key/value heads with enable_gqa=True), no mask (info["causal"]: but is_causal=True
-        or torch's causal bias), no dropout, no gradients needed (info["backward"]: gradients too), `scale` any positive float, the seqlens
-        this step takes, a GPU it runs on) to it, and every other call to torch unchanged. r.routed counts the calls
-        routed, r.fallbacks (a Counter) the others by reason; strict=True raises NotRouted for a call it cannot take
+        equal heads (or, info["gqa"], fewer key/value heads with enable_gqa=True), no mask (info["causal"]: but
+        is_causal=True or torch's causal bias), no dropout, no gradients needed (info["backward"]: gradients too, unless
+        gradients=False, which leaves those calls, forward and backward, to torch), `scale` any positive float, the
+        seqlens this step takes, a GPU it runs on) to it, and every other call to torch unchanged. r.routed counts the
+        calls routed, r.fallbacks (a Counter) the others by reason; strict=True raises NotRouted for a call it cannot take
         instead. Works in eager, under torch.compile and in CUDA-graph capture (SdpaRouter says how each counts)."""
-        return SdpaRouter(self.routed, self.limits, strict, name=f"{self.module_name}.sdpa")
+        limits = self.limits._replace(gradients=bool(gradients))
+        return SdpaRouter(self.routed, limits, strict, name=f"{self.module_name}.sdpa")
 
     def routed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal=False) -> torch.Tensor:
         """What sdpa() calls for an SDPA call it takes: O alone, as SDPA returns it."""

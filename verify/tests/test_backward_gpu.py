@@ -224,6 +224,10 @@ def test_the_sdpa_drop_in_routes_calls_that_need_gradients(bwd_mod):
     assert router.routed == 1
     out.float().square().sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+    with bwd_mod.sdpa(gradients=False) as router:  # the forward alone: calls that need gradients stay with torch
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert router.routed == 0 and list(router.fallbacks) == [
+        "gradients are needed: sdpa(gradients=False) leaves such calls to torch"]
 
 
 # Ways of being wrong that the judge must reject, applied to the step's own (correct) gradients.

@@ -135,6 +135,9 @@ def test_a_step_with_a_backward_takes_the_calls_that_need_gradients(on_h200):
     call = described(qkv(requires_grad=True), {})
     assert binding.route_reason(call, LIMITS._replace(backward=True), grad_enabled=True) is None
     assert binding.route_reason(call, LIMITS, grad_enabled=True).startswith("gradients are needed")
+    assert binding.route_reason(call, LIMITS._replace(backward=True, gradients=False), grad_enabled=True) == \
+        "gradients are needed: sdpa(gradients=False) leaves such calls to torch"
+    assert binding.route_reason(call, LIMITS._replace(backward=True, gradients=False), grad_enabled=False) is None
 
 
 def gqa(heads=4, heads_k=2, n=128, nk=None, b=1, b_k=None):
