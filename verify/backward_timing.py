@@ -38,7 +38,9 @@ def fa4_attention():
     a dependency of a step."""
     try:
         from flash_attn.cute import flash_attn_func
-    except Exception as e:  # not installed, or its CUTLASS DSL missing: say which
+    except ImportError as e:  # not installed
+        return None, f"FlashAttention-4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    except Exception as e:  # installed, but its CUTLASS DSL cannot start here: say what it said
         return None, f"FlashAttention-4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
     def forward(q, k, v, causal=False):
