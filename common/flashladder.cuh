@@ -85,6 +85,8 @@ struct BwdParams {
     const float* lse;      // fp32 [batch, heads, seqlen_q], contiguous: the forward's LSE (natural log)
     const float* d_lse;    // fp32 [batch, heads, seqlen_q], contiguous, or nullptr (no gradient reaches the LSE)
     float* delta;          // fp32 [batch, heads, seqlen_q], contiguous scratch: D = rowsum(dO * O) - dLSE
+    float* dq_accum;       // fp32 [batch, heads, seqlen_q, HEAD_DIM], contiguous scratch for the steps that add dQ up
+                           // across CTAs (they export flashladder_bwd_accumulates_dq), or nullptr
     void* dq;              // bf16 [batch, heads, seqlen_q, HEAD_DIM]
     void* dk;              // bf16 [batch, heads_k, seqlen_k, HEAD_DIM]: summed over the query heads that read it
     void* dv;              // bf16 [batch, heads_k, seqlen_k, HEAD_DIM]: summed the same way
@@ -93,6 +95,7 @@ struct BwdParams {
     int32_t batch, heads, seqlen_q, seqlen_k;
     float scale;
     int32_t heads_k, causal, causal_offset;  // as in FwdParams
+    int32_t deterministic;  // 1: the same bits every call (a step that adds dQ up in any order then takes another way)
 };
 
 // Bits of flashladder_features(), exported by the steps that take more than dense attention with equal heads.

@@ -51,10 +51,16 @@ def fa4_attention():
 
 
 def implementations(steps: dict, causal: bool, fa4=None) -> dict:
-    """name -> forward(q, k, v) returning O with its autograd graph: each step of `steps` ({step: module}), then SDPA
-    cuDNN and FLASH, then FlashAttention-4 where `fa4` (fa4_attention()) is given."""
+    """name -> forward(q, k, v) returning O with its autograd graph: each step of `steps` ({step: module}; a step whose
+    backward gives the same bits only on request, twice: stepNN_bwd and stepNN_deterministic_bwd), then SDPA cuDNN and
+    FLASH, then FlashAttention-4 where `fa4` (fa4_attention()) is given."""
     mask = "top_left" if causal else False
-    fns = {f"{step}_bwd": (lambda q, k, v, mod=mod: mod.attention(q, k, v, causal=mask)[0]) for step, mod in steps.items()}
+    fns = {}
+    for step, mod in steps.items():
+        fns[f"{step}_bwd"] = lambda q, k, v, mod=mod: mod.attention(q, k, v, causal=mask, deterministic=False)[0]
+        if mod.info.get("backward_deterministic") == "on request":  # what the same bits every call cost
+            fns[f"{step}_deterministic_bwd"] = lambda q, k, v, mod=mod: mod.attention(q, k, v, causal=mask,
+                                                                                      deterministic=True)[0]
     for backend, name in (("CUDNN_ATTENTION", "sdpa_cudnn"), ("FLASH_ATTENTION", "sdpa_flash")):
         fns[f"{name}_bwd"] = lambda q, k, v, backend=backend: bench.sdpa_fn(backend, q, k, v, is_causal=causal)()
     if fa4 is not None:

@@ -345,7 +345,8 @@ def backward_rows(run: dict) -> list[dict]:
                 continue
             base = impl.removesuffix(suffix)
             tf = {n: (cells.get(str(n)) or {}).get("tflops") for n in b["seqlens"]}
-            label = (base.removesuffix("_bwd") if base.startswith("step") else BACKWARD_LABELS.get(base, base))
+            label = (base.removesuffix("_bwd").replace("_", " ") if base.startswith("step")
+                     else BACKWARD_LABELS.get(base, base))
             out.append({"impl": impl, "label": label + (" causal" if suffix else ""), "tflops": tf,
                         "vs_cudnn": {} if cells is cudnn else
                         {n: _ratio(tf[n], (cudnn.get(str(n)) or {}).get("tflops")) for n in b["seqlens"]}})

@@ -37,13 +37,14 @@ class BwdParams(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
         ("o", ctypes.c_void_p), ("d_o", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p), ("d_lse", ctypes.c_void_p), ("delta", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p), ("d_lse", ctypes.c_void_p), ("delta", ctypes.c_void_p), ("dq_accum", ctypes.c_void_p),
         ("dq", ctypes.c_void_p), ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p),
         *((f"{name}_stride", ctypes.c_int64 * 3) for name in ("q", "k", "v", "o", "do", "dq", "dk", "dv")),
         ("batch", ctypes.c_int32), ("heads", ctypes.c_int32),
         ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("heads_k", ctypes.c_int32), ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
+        ("deterministic", ctypes.c_int32),
     ]
 
 
@@ -108,14 +109,18 @@ def make_params(q, k, v, o, lse, scale: float, causal: int = 0, workspace: Optio
                      q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset, workspace)
 
 
-def make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale: float, causal: int = 0) -> BwdParams:
+def make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale: float, causal: int = 0,
+                    dq_accum=None, deterministic: bool = False) -> BwdParams:
     """BwdParams for one backward launch: the forward's tensors (q, k, v, o, lse), the gradients reaching its outputs
-    (d_o, and d_lse or None), the fp32 scratch `delta` (one float per query row) and the gradients to write."""
+    (d_o, and d_lse or None), the fp32 scratch `delta` (one float per query row), the gradients to write, and, for a
+    step that adds dQ up across CTAs, the fp32 scratch `dq_accum` (q's shape, contiguous; None otherwise)."""
     def strides(t):
         return (ctypes.c_int64 * 3)(*kernel_strides(t))
     offset = k.shape[2] - q.shape[2] if causal == CAUSAL["bottom_right"] else 0
     return BwdParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), lse.data_ptr(),
                      None if d_lse is None else d_lse.data_ptr(), delta.data_ptr(),
+                     None if dq_accum is None else dq_accum.data_ptr(),
                      dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                      *(strides(t) for t in (q, k, v, o, d_o, dq, dk, dv)),
-                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset)
+                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset,
+                     int(bool(deterministic)))

@@ -61,6 +61,9 @@ class Step:
         self.workspaces: dict = {}
         # A backward, exported by the steps that have one: attention() then has gradients (register_backward).
         self.has_backward = hasattr(lib, "flashladder_bwd")
+        # Exported by the steps whose backward adds dQ up across CTAs, in any order: they take an fp32 accumulator, and
+        # give the same bits every call only when asked (deterministic=True), by another way.
+        self.bwd_accumulates_dq = hasattr(lib, "flashladder_bwd_accumulates_dq")
         self.limits = SdpaLimits(step, self.seqlen_multiple, tuple(self.archs), self.smem_bytes, features=self.features,
                                  backward=self.has_backward)
         self.fwd, self.fwd_out = self.register_ops()
@@ -76,6 +79,8 @@ class Step:
                      "archs": self.archs, "runs_on": checks.runs_on(self.archs), "smem_bytes": self.smem_bytes,
                      "causal": bool(self.features & FEATURE_CAUSAL), "gqa": bool(self.features & FEATURE_GQA),
                      "backward": self.has_backward,
+                     "backward_deterministic": (None if not self.has_backward
+                                                else "on request" if self.bwd_accumulates_dq else "always"),
                      "library": lib._name, "ptxas_report": str(ptxas) if ptxas.exists() else None}  # the path: print(info) stays short
 
     def __repr__(self):
@@ -84,7 +89,7 @@ class Step:
     # ---------------------------------------------------------------- the public API
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
-                  causal=False) -> tuple[torch.Tensor, torch.Tensor]:
+                  causal=False, deterministic: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """O = softmax(q k^T * scale + mask) v and LSE = logsumexp(q k^T * scale + mask) (natural log).
 
         q: bf16 [batch, heads, seqlen_q, 128]; k, v: bf16 [batch, heads_k, seqlen_k, 128], on one GPU that the step
@@ -97,12 +102,16 @@ class Step:
         as q is (a [batch, seqlen, heads, 128] tensor transposed gives o the same; output_like).
         scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
         Gradients (info["backward"]): torch's autograd reaches q, k and v through o and lse (the step's backward);
-        a step without one says so, in one line, when a gradient is asked of it.
+        a step without one says so, in one line, when a gradient is asked of it. deterministic: the same gradient bits
+        on every call (True) or whatever order is fastest (False); None follows torch.use_deterministic_algorithms.
+        info["backward_deterministic"] says what it costs a step: "always" (nothing), "on request" (another way).
         Empty inputs (batch, heads or seqlen_q of 0) give empty outputs without a launch; with seqlen_k = 0
         every row has no key: o = 0 and lse = -inf (what softmax over nothing tends to; no launch either).
         """
         scale = checks.check_types(self.step, scale, q=q, k=k, v=v)
-        return self.fwd(q, k, v, scale, checks.check_causal(self.step, causal, self.features))
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        return self.fwd(q, k, v, scale, checks.check_causal(self.step, causal, self.features), bool(deterministic))
 
     def attention_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                       scale: Optional[float] = None, causal=False) -> None:
@@ -124,7 +133,8 @@ class Step:
 
     def routed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal=False) -> torch.Tensor:
         """What sdpa() calls for an SDPA call it takes: O alone, as SDPA returns it."""
-        return self.fwd(q, k, v, scale, checks.check_causal(self.step, causal, self.features))[0]
+        return self.fwd(q, k, v, scale, checks.check_causal(self.step, causal, self.features),
+                        torch.are_deterministic_algorithms_enabled())[0]
 
     # ---------------------------------------------------------------- the ops and the launch
 
@@ -137,20 +147,20 @@ class Step:
         @torch.library.custom_op(f"flashladder::{step}_bwd", mutates_args=("dq", "dk", "dv"))
         def bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                 d_o: torch.Tensor, d_lse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                scale: float, causal: int = 0) -> None:
+                scale: float, causal: int = 0, deterministic: bool = False) -> None:
             checked(q, k, v, None, None, scale, causal)
             checks.check_backward(step, q, k, v, o, lse, d_o, d_lse, dq, dk, dv)
-            launch_bwd(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale, causal)
+            launch_bwd(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale, causal, deterministic)
 
         @bwd.register_fake
-        def _(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale, causal=0):
+        def _(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale, causal=0, deterministic=False):
             checked(q, k, v, None, None, scale, causal, devices=("cuda", "meta"))
             checks.check_backward(step, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, devices=("cuda", "meta"))
 
         def setup_context(ctx, inputs, output):
-            q, k, v, scale, causal = inputs
+            q, k, v, scale, causal, deterministic = inputs
             ctx.save_for_backward(q, k, v, *output)
-            ctx.scale, ctx.causal = scale, causal
+            ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
 
         def backward(ctx, d_o, d_lse):
             q, k, v, o, lse = ctx.saved_tensors
@@ -164,8 +174,8 @@ class Step:
                 d_o = d_o.contiguous()
             d_lse = None if d_lse is None else d_lse.to(torch.float32).contiguous()
             dq, dk, dv = output_like(q), output_like(k), output_like(v)
-            bwd(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, ctx.scale, ctx.causal)
-            return dq, dk, dv, None, None
+            bwd(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, ctx.scale, ctx.causal, ctx.deterministic)
+            return dq, dk, dv, None, None, None
 
         self.fwd.register_autograd(backward, setup_context=setup_context)
         return bwd
@@ -181,7 +191,8 @@ class Step:
 
         self.fwd.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
 
-    def launch_bwd(self, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale: float, causal: int) -> None:
+    def launch_bwd(self, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale: float, causal: int,
+                   deterministic: bool = False) -> None:
         """One backward call of the library on checked tensors, on the current stream."""
         if q.numel() == 0 or k.shape[2] == 0:  # no query, or no key: every gradient is 0 (nothing reads anything)
             for t in (dq, dk, dv):
@@ -193,7 +204,10 @@ class Step:
         with torch.cuda.device(q.device):
             stream = torch.cuda.current_stream(q.device).cuda_stream
             delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)  # D = rowsum(dO * O) - dLSE
-            params = abi.make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale, causal)
+            dq_accum = (torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the library
+                        if self.bwd_accumulates_dq and not deterministic else None)
+            params = abi.make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale, causal,
+                                         dq_accum, deterministic)
             err = self.lib.flashladder_bwd(ctypes.byref(params), ctypes.c_void_p(stream))
         if err != 0:
             raise RuntimeError(f"flashladder.{self.step}: backward launch failed: "
@@ -201,14 +215,15 @@ class Step:
 
     def register_ops(self):
         """The step's ops, flashladder::<step> (returns o, lse) and flashladder::<step>_out (writes them), each with its
-        fake implementation (metadata only: what torch.compile traces with). No device_types: the op takes tensors on
+        fake implementation (metadata only: what torch.compile traces with). The forward op's `deterministic` is kept
+        for its backward (register_backward), which alone reads it. No device_types: the op takes tensors on
         any device, so that a CPU tensor meets check_inputs' clear message instead of the dispatcher's "could not run
         ... with arguments from the 'CPU' backend"."""
         checked, launch = self.checked, self.launch
 
         @torch.library.custom_op(f"flashladder::{self.step}", mutates_args=())
         def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                causal: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                causal: int = 0, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
             checked(q, k, v, None, None, scale, causal)
             o = output_like(q)
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -216,7 +231,7 @@ class Step:
             return o, lse
 
         @fwd.register_fake
-        def _(q, k, v, scale, causal=0):
+        def _(q, k, v, scale, causal=0, deterministic=False):
             checked(q, k, v, None, None, scale, causal, devices=("cuda", "meta"))
             return output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 

@@ -149,14 +149,14 @@ class Case:
         return bad
 
 
-def run_backward(mod, case: Case):
+def run_backward(mod, case: Case, deterministic=False):
     """The step's forward (o, lse), then its backward op into NaN-poisoned dq, dk, dv."""
     q, k, v = case.q, case.k, case.v
     o, lse = mod.attention(q, k, v, case.scale, causal=case.causal)
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
     code = {False: 0, "top_left": 1, "bottom_right": 2}[case.causal]
     getattr(torch.ops.flashladder, f"{mod.info['step']}_bwd")(q, k, v, o, lse, case.d_o, case.d_lse, dq, dk, dv,
-                                                              case.scale, code)
+                                                              case.scale, code, deterministic)
     torch.cuda.synchronize()
     return dq, dk, dv
 
@@ -227,21 +227,52 @@ def test_autograd_through_attention(bwd_mod):
     assert_passes(bwd_mod, case, grads)
 
 
-def test_the_backward_is_deterministic(bwd_mod):
+@pytest.mark.parametrize("causal", [False, "top_left"])
+def test_the_backward_is_deterministic(bwd_mod, causal):
+    """deterministic=True: two calls give the same bits, and pass the judge (a step whose fast way adds dQ up in any
+    order takes another way for it: info["backward_deterministic"] == "on request")."""
     q, k, v = make_inputs(1, 8, 300, 300, heads_k=2)
-    case = Case("determinism", q, k, v, "top_left")
-    first, second = run_backward(bwd_mod, case), run_backward(bwd_mod, case)
+    case = Case("determinism", q, k, v, causal)
+    first, second = run_backward(bwd_mod, case, True), run_backward(bwd_mod, case, True)
     for name, a, b in zip(GRADS, first, second):
         assert torch.equal(a, b), f"{bwd_mod.__name__}: two backward calls gave different {name}"
+    assert_passes(bwd_mod, case, first)
+
+
+def test_deterministic_follows_torch(bwd_mod, monkeypatch):
+    """attention(deterministic=None) takes torch.use_deterministic_algorithms' setting to the backward op; True and
+    False given are passed as given."""
+    seen = []
+    step = bwd_mod.attention.__self__
+
+    class Spy:  # the library, its backward's params read on the way in
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def flashladder_bwd(self, params, stream):
+            seen.append(bool(params._obj.deterministic))
+            return lib.flashladder_bwd(params, stream)
+    lib = step.lib
+    monkeypatch.setattr(step, "lib", Spy())
+    leaves = [t.detach().requires_grad_() for t in make_inputs(1, 2, 64, 64)]
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for setting, given in ((True, None), (False, None), (False, True), (True, False)):
+            torch.use_deterministic_algorithms(setting)
+            o, _ = bwd_mod.attention(*leaves, deterministic=given)
+            torch.autograd.grad(o.float().sum(), leaves)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == [True, False, True, False]
 
 
 def test_the_backward_under_torch_compile(bwd_mod):
     """The backward is a real op: torch.compile (AOTAutograd, which traces the backward graph) gives the eager
-    gradients, bit for bit (the kernels are deterministic, and aot_eager runs the same ops around them)."""
+    gradients, bit for bit (deterministic=True, and aot_eager runs the same ops around them)."""
     leaves = [t.detach().requires_grad_() for t in make_inputs(1, 4, 256, 320, heads_k=2)]
 
     def loss(q, k, v):
-        o, lse = bwd_mod.attention(q, k, v, causal="bottom_right")
+        o, lse = bwd_mod.attention(q, k, v, causal="bottom_right", deterministic=True)
         return (o.float() ** 2).sum() + lse.sum()
     eager = torch.autograd.grad(loss(*leaves), leaves)
     compiled = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*leaves), leaves)

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 GENERATED = [(report.STEPS_BEGIN, report.STEPS_END), (report.README_BEGIN, report.README_END),
+             (report.BACKWARD_BEGIN, report.BACKWARD_END),
              (capstone.README_BEGIN, capstone.README_END), (prefill.README_BEGIN, prefill.README_END)]
 PROSE_LIMIT = 4500  # bytes of the README a person writes (the generated sections apart): a page, not a manual
 
@@ -149,7 +150,7 @@ def test_prefill_section_is_generated_from_the_newest_run_of_record():
 
 def test_generated_sections_are_where_their_generators_write():
     """Each pair of markers once, in the page its section belongs to, and nowhere else."""
-    pages = {README: [GENERATED[0], GENERATED[1]], ROOT / "docs" / "capstone.md": [GENERATED[2], GENERATED[3]]}
+    pages = {README: GENERATED[:3], ROOT / "docs" / "capstone.md": GENERATED[3:5]}
     for page in [README, *DOCS]:
         text = page.read_text()
         for begin, end in GENERATED:
