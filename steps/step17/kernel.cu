@@ -16,8 +16,9 @@
 //   (results/h200/2026-12-02-step16/ab-step16.log: 0.991x and 0.992x step15), so that kernel keeps step15's code.
 // PREDICTION: +1% in the paired kernel (4K keys and more); nothing below.
 // MEASURED (results/h200/2026-12-03T16-19-14Z.json, N = 4K / 8K / 16K): 649.8 / 657.9 / 661.6 TFLOP/s, 0.98 / 0.98 /
-//   0.97x step16: the prediction missed, at a higher clock (1740 MHz against 1710 at 16K). Nor does it pay later:
-//   step18 and step22 without it ran -1.1 to +0.7% from themselves (results/h200/2026-12-03-ab36/): docs/design.md.
+//   0.97x step16: the prediction missed, at a higher clock (1740 MHz against 1710 at 16K). Nor does it pay later
+//   (results/h200/2026-12-03-ab36/ab-36.log, N = 4K / 16K): step18 677.3 / 704.8 TFLOP/s with it, 684.9 / 704.4
+//   without; step22 693.9 / 718.4 with, 688.8 / 716.0 without. It leaves the ladder (docs/design.md).
 // CHECKED (results/h200/2026-12-03-part2/checks_step17.log): every check passed. test_sass.py:
 //   30 or more fewer R2UR in the paired kernel than in step16's (50 with the nvcc of CI, 13), the other kernel step15's.
 // PICTURES: docs/img/descriptor_advance.png, results/h200/timeline/step17.png (measured).

@@ -14,12 +14,14 @@
 //   S^T = K Q^T and dP^T = V dO^T (a warp's 16 keys against the tile's 64 queries), makes P^T and dS^T in the
 //   registers the mma left them in, rounds them to bf16 and uses them as the A operand of dV += P^T dO and
 //   dK += dS^T Q; the dQ kernel the same from the other side (S = Q K^T, dP = dO V^T, dQ += dS K).
-// WHY: step23 spends its time reading shared memory for fp32 FMAs on the CUDA cores (6.7 TFLOP/s); the tensor
-//   cores do a 16 x 8 x 16 product per instruction.
+// WHY: step23 spends its time reading shared memory for fp32 FMAs on the CUDA cores (6.7 TFLOP/s at N = 4K,
+//   results/h200/backward-2026-12-03T16-50-27Z.json); the tensor cores do a 16 x 8 x 16 product per instruction.
 // PREDICTION: tens of TFLOP/s (the loads are not overlapped with the products yet, and P and dS are still made twice):
 //   60-100, about 10x step23; the errors as step23's (dS and P rounded to bf16, as the forward rounds P).
 // MEASURED (results/h200/backward-2026-12-03T19-18-34Z.json, the backward alone, N = 4K / 8K / 16K): 84.7 / 91.6 /
-//   90.9 TFLOP/s, 0.17x SDPA cuDNN's backward; causal 84.5 / 90.4 / 94.1. About 13x step23 (6.7 at 4K): as predicted.
+//   90.9 TFLOP/s, 0.17 / 0.18 / 0.17x SDPA cuDNN's backward; causal 84.5 / 90.4 / 94.1. About 13x step23's 6.7
+//   TFLOP/s at 4K (results/h200/backward-2026-12-03T16-50-27Z.json): as predicted. The same calls at 1K to 16K
+//   alone: results/h200/backward-2026-12-03T18-53-40Z.json.
 // CHECKED (results/h200/2026-12-03-step24/): the backward checks (checks_backward_step24.log), compute-sanitizer
 //   memcheck and racecheck clean; test_sass.py: HMMA and LDSM in the backward's kernels, the forward step22's.
 #include <climits>

@@ -37,12 +37,12 @@ NOT A MEASUREMENT, so never checked:
   * a datasheet value, marked right after it: `4.8 TB/s (datasheet)`.
 
 WHERE A FIGURE MAY COME FROM (any of the files its paragraph cites):
-  * a results JSON of a run (with "timings"): a TFLOP/s figure of any implementation (the cuBLAS GEMM's too) at
-    any N, to 0 or 1 decimal; a ratio of two of them at the same N (or of one to the GEMM) to the figure's
-    decimals (2 significant digits below 0.1, as the README table writes them); the clocks and power it
-    records, or a number it records outside its timings (versions, settings), rounded to the figure's decimals.
-    Times and percentages are left out on purpose: hundreds of times, rounded, and the percentages of thousands
-    of pairs would back almost any small figure;
+  * a results JSON of a run (with "timings", or a backward run's under "backward"): a TFLOP/s figure of any
+    implementation (the cuBLAS GEMM's too) at any N, to 0 or 1 decimal; a ratio of two of them at the same N (or of
+    one to the GEMM) to the figure's decimals (2 significant digits below 0.1, as the README table writes them); the
+    clocks and power it records, or a number it records outside its timings (versions, settings), rounded to the
+    figure's decimals. Times and percentages are left out on purpose: hundreds of times, rounded, and the
+    percentages of thousands of pairs would back almost any small figure;
   * any other JSON, .log or .txt: a number in the file, rounded to the figure's own number of decimals, a
     K/M/G suffix or an exponent scaling it (134.7M for 134,742,016; 1.8e-3 for 1.78e-03);
   * a ratio (x, ×, or a plain number) or a percentage may also come from two figures of the same paragraph, in
@@ -204,9 +204,14 @@ class Source:
         self.ratios: list[float] = []
         self.numbers: list[tuple[float, float]] = []  # (value, the last digit's place: 0.01 for 1.23)
         data = json.loads(text) if is_json else None
-        self.run = isinstance(data, dict) and "timings" in data
+        # A run's timings: the forward's at the top, the backward's under "backward" (python -m verify.backward, or
+        # the main job's backward table), each read the same way.
+        runs = [r for r in (data, data.get("backward") if isinstance(data, dict) else None)
+                if isinstance(r, dict) and "timings" in r]
+        self.run = bool(runs)
         if self.run:
-            self._read_run(data)
+            for run in runs:
+                self._read_run(run)
         elif data is not None:
             self.numbers = numbers_of(data)
         else:
@@ -227,7 +232,7 @@ class Source:
                     if a != b and (n == m or "cublas_gemm" in (a, b)) and va > 0 and vb > 0:
                         self.ratios.append(va / vb)
         cells = [cell for by_n in run.get("timings", {}).values() for cell in by_n.values()]
-        self.numbers = numbers_of({k: v for k, v in run.items() if k != "timings"})
+        self.numbers += numbers_of({k: v for k, v in run.items() if k not in ("timings", "backward")})
         self.numbers += numbers_of([{k: v for k, v in c.items() if CLOCK_OR_POWER.search(k)} for c in cells])
 
     @functools.cached_property
@@ -824,6 +829,18 @@ def test_notes_heading_and_folder_citations(tmp_path):
     notes = f"## Section (results/gpu/)\n\ny is {ratio}x x, not 8.8 (run.json).\n\n## Other (results/gpu/run.json)\n\n{ratio}x, 9.9\n"
     assert check_notes("NOTES.md", notes, tmp_path) == (["NOTES.md:3: 8.8 has no source in results/gpu/run.json",
                                                          "NOTES.md:7: 9.9 has no source in results/gpu/run.json"], 4)
+
+
+def test_a_backward_run_backs_ratios_of_its_own_timings(tmp_path):
+    """A backward results file ({"backward": {"timings": ...}}) backs a ratio of two of its cells at one N, as a forward
+    run does; not one it does not hold."""
+    run = {"backward": {"timings": {"a_bwd": {"4096": {"tflops": 150.0}}, "b_bwd": {"4096": {"tflops": 110.7}}}}}
+    (tmp_path / "results" / "gpu").mkdir(parents=True)
+    (tmp_path / "results" / "gpu" / "backward.json").write_text(json.dumps(run))
+    notes = "- (results/gpu/backward.json) a 150.0 TFLOP/s, {}x b.\n"
+    assert check_notes("NOTES.md", notes.format("1.36"), tmp_path) == ([], 1)
+    assert check_notes("NOTES.md", notes.format("1.41"), tmp_path) == (
+        ["NOTES.md:1: 1.41x has no source in results/gpu/backward.json"], 1)
 
 
 def test_table_cells_are_figures(tmp_path):
