@@ -18,9 +18,10 @@
 // PREDICTION: 5/7 of the tensor-core work, plus 64 x 128 float adds to L2 per tile pair: ~1.25x step24 (110-115
 //   TFLOP/s at 16K); deterministic=True as fast as step24.
 // MEASURED (results/h200/backward-2026-12-03T19-18-34Z.json, N = 4K / 8K / 16K): 111.2 / 114.8 / 103.5 TFLOP/s,
-//   1.31 / 1.25 / 1.14x step24; causal 111.3 / 116.2 / 118.1 (1.32 / 1.29 / 1.26x); deterministic=True 84.9 / 92.3 /
-//   91.7, step24's. Dense at 16K missed; the suspect, not yet measured: a head's 256 key tiles walk the same query
-//   tile at once, and their adds to the same 64 rows queue at L2 (causal walks start staggered, and lose nothing).
+//   1.31 / 1.25 / 1.14x step24; causal 111.3 / 116.2 / 118.1 (1.32 / 1.29 / 1.25x); deterministic=True 84.9 / 92.3 /
+//   91.7, step24's. Dense at 16K missed: a head's 256 key tiles walk the same query tile at once and their adds meet
+//   at L2: each starting at its own tile ran 113.0 against 100.4 TFLOP/s at 16K, dense
+//   (results/h200/2026-12-03-step26/variants26.log); step26's overlapped loads gain it, and more, without it.
 // CHECKED (results/h200/2026-12-03-step25/): the backward checks, dQ by the accumulator and deterministic=True (two
 //   calls bitwise equal); compute-sanitizer memcheck and racecheck clean, both ways; test_sass.py: REDG.E.ADD.F32x2.
 #include <climits>

@@ -221,6 +221,10 @@ CLAIMS = [
     Claim("dq_accumulated", 25, None, part="backward",
           present={"REDG.E.ADD.F32x2 (atomicAdd of float2: dQ's partial sums added to the fp32 accumulator)":
                    r"REDG\.E\.ADD\.F32x2\b"}),
+    Claim("backward_loads_under_products", 26, None, part="backward",
+          present={"LDGSTS (cp.async: the next query tile's Q and dO, global -> shared)": r"LDGSTS\b",
+                   "DEPBAR.LE SB0, 0x1 (cp.async.wait_group 1: this tile's copies waited for, the next one's in flight)":
+                   r"DEPBAR\.LE\s+SB0,\s*0x1\b"}),
 ]
 
 
