@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -304,3 +305,42 @@ def arg_type(parse):
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return wrapped
+
+
+# ---------------------------------------------------------------- shared by the command lines
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    import torch
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def at_least(least, kind=int):
+    """argparse type: a number (int or float) of at least `least`, or a one-line error."""
+    import argparse
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cannot read {text!r} as a{'n integer' if kind is int else ' number'}") from None
+        if not value >= least:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be at least {least}, not {text}")
+        return value
+    return parse
+
+
+def write_results(run: dict, json_path: Path, out: Path | None = None, log=print) -> Path:
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(run, indent=1, default=str))
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(json_path, out / json_path.name)
+    log(f"wrote {json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path}"
+        + (f" (a copy in {out})" if out else ""))
+    return json_path

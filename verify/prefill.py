@@ -32,7 +32,6 @@ import collections
 import contextlib
 import importlib
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -77,17 +76,6 @@ def llama_config(config: dict, layers: int | None = None):
                                     attn_implementation="sdpa")
 
 
-@contextlib.contextmanager
-def default_dtype(dtype):
-    import torch
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def build_model(config: dict, device, layers: int | None = None, seed: int = SEED):
     """LlamaModel of llama_config(config, layers) with seeded random weights (transformers' own initialization), made
     on `device` in bf16 (no float32 copy, no CPU init), in eval mode, without gradients. RoPE's inverse frequencies
@@ -96,7 +84,7 @@ def build_model(config: dict, device, layers: int | None = None, seed: int = SEE
     transformers = need("transformers")
     cfg = llama_config(config, layers)
     torch.manual_seed(seed)
-    with torch.device(device), default_dtype(torch.bfloat16):
+    with torch.device(device), models.default_dtype(torch.bfloat16):
         model = transformers.LlamaModel(cfg)
     if model.config._attn_implementation != "sdpa":
         raise RuntimeError(f"LlamaModel chose attention {model.config._attn_implementation!r}, not 'sdpa'")
@@ -343,15 +331,7 @@ def results_path(meta_gpu: str, root: Path = ROOT, stamp: str | None = None) -> 
     return models.results_path("prefill", meta_gpu, root, stamp)
 
 
-def write_results(run: dict, json_path: Path, out: Path | None = None, log=print) -> Path:
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(run, indent=1, default=str))
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(json_path, out / json_path.name)
-    log(f"wrote {json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path}"
-        + (f" (a copy in {out})" if out else ""))
-    return json_path
+write_results = models.write_results  # its tests and python -m verify.prefill's callers
 
 
 def _ms(x) -> str:
@@ -438,33 +418,19 @@ def update_readme(readme: Path, run: dict | None) -> bool:
 
 # ---------------------------------------------------------------- the command line
 
-def _at_least(least, kind=int):
-    import argparse
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"cannot read {text!r} as a{'n integer' if kind is int else ' number'}") from None
-        if not value >= least:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"must be at least {least}, not {text}")
-        return value
-    return parse
-
-
 def make_parser():
     ap = steps_mod.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--step", type=steps_mod.steps_arg, help="the step to put in the model (default: the last, the final step)")
-    ap.add_argument("--tokens", type=_at_least(1), default=TOKENS,
+    ap.add_argument("--tokens", type=models.at_least(1), default=TOKENS,
                     help=f"prompt tokens of the prefill, at most the configuration's {LLAMA3_8B['max_position_embeddings']} "
                          "(default: %(default)s)")
-    ap.add_argument("--layers", type=_at_least(1),
+    ap.add_argument("--layers", type=models.at_least(1),
                     help=f"decoder layers (default: the configuration's {LLAMA3_8B['num_hidden_layers']}; fewer for a smoke run)")
-    ap.add_argument("--iters", type=_at_least(1), default=DEFAULTS["iters"],
+    ap.add_argument("--iters", type=models.at_least(1), default=DEFAULTS["iters"],
                     help="timed forwards per backend; the median is reported (default: %(default)s)")
-    ap.add_argument("--warmup", type=_at_least(0), default=DEFAULTS["warmup"],
+    ap.add_argument("--warmup", type=models.at_least(0), default=DEFAULTS["warmup"],
                     help="untimed forwards after the first, at least (default: %(default)s)")
-    ap.add_argument("--warmup-s", type=_at_least(0.0, float), default=DEFAULTS["warmup_s"], metavar="SECONDS",
+    ap.add_argument("--warmup-s", type=models.at_least(0.0, float), default=DEFAULTS["warmup_s"], metavar="SECONDS",
                     help="seconds of warm-up forwards, at least (default: %(default)s)")
     ap.add_argument("--quick", action="store_true",
                     help=f"a smoke run: {QUICK['layers']} layers, {QUICK['warmup']} warm-up + {QUICK['iters']} timed forwards; "
@@ -518,7 +484,7 @@ def run_benchmark(args, log) -> int:
     run = record(result, meta=meta, path=json_path, step=step, config=config, tokens=args.tokens, rows=rows,
                  timing={"warmup": args.warmup, "warmup_s": args.warmup_s, "iters": args.iters},
                  sdpa_default=sdpa_default_backend(model, args.tokens, device), seconds=time.time() - t0)
-    write_results(run, json_path, args.out, log)
+    models.write_results(run, json_path, args.out, log)
     if args.readme == "yes" or (args.readme == "auto" and is_full(run)):
         log("docs/capstone.md prefill section " + ("regenerated" if update_readme(models.MODELS_PAGE, run) else
                                                   "not written: docs/capstone.md has no prefill markers"))

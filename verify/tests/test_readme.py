@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from verify import capstone, prefill, report
+from verify import capstone, prefill, report, train
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 GENERATED = [(report.STEPS_BEGIN, report.STEPS_END), (report.README_BEGIN, report.README_END),
              (report.BACKWARD_BEGIN, report.BACKWARD_END),
-             (capstone.README_BEGIN, capstone.README_END), (prefill.README_BEGIN, prefill.README_END)]
+             (capstone.README_BEGIN, capstone.README_END), (prefill.README_BEGIN, prefill.README_END),
+             (train.README_BEGIN, train.README_END)]
 PROSE_LIMIT = 4500  # bytes of the README a person writes (the generated sections apart): a page, not a manual
 
 
@@ -148,9 +149,17 @@ def test_prefill_section_is_generated_from_the_newest_run_of_record():
                           f"{run['path'] if run else 'results/<gpu>/prefill-<timestamp>.json'}`")
 
 
+def test_train_section_is_generated_from_the_newest_run_of_record():
+    text = (ROOT / "docs" / "capstone.md").read_text()
+    run = train.newest_full_run(ROOT)
+    want = f"{train.README_BEGIN}\n{as_in_docs(train.readme_section(run))}\n{train.README_END}"
+    assert want in text, ("docs/capstone.md's training section is stale: run `python -m verify.train --report "
+                          f"{run['path'] if run else 'results/<gpu>/train-<timestamp>.json'}`")
+
+
 def test_generated_sections_are_where_their_generators_write():
     """Each pair of markers once, in the page its section belongs to, and nowhere else."""
-    pages = {README: GENERATED[:3], ROOT / "docs" / "capstone.md": GENERATED[3:5]}
+    pages = {README: GENERATED[:3], ROOT / "docs" / "capstone.md": GENERATED[3:6]}
     for page in [README, *DOCS]:
         text = page.read_text()
         for begin, end in GENERATED:

@@ -1,0 +1,97 @@
+"""CPU: python -m verify.train's parts (verify/train.py) on a tiny Qwen2ForCausalLM made in-process with random weights.
+
+The configuration against transformers' own Qwen2Config (Qwen2.5-1.5B's size); training steps with SDPA's default and
+with a stand-in for the step behind binding.SdpaRouter (plain torch attention on CPU, gradients through autograd),
+every call of which must be routed, forward and backward: their losses and gradients agree; a router that does not
+take calls needing gradients fails its row (the check bites); the results file's table and note; the command line.
+transformers is optional (requirements-capstone.txt): these tests skip without it, except in CI.
+"""
+import contextlib
+import importlib
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from verify import models, train  # noqa: E402
+from verify.tests.test_capstone import optional  # noqa: E402
+from verify.tests.test_prefill import FEATURES, StandIn  # noqa: E402
+
+binding = importlib.import_module("binding")
+
+# Qwen2.5-1.5B's configuration, smaller everywhere but the head dim (128) and the grouping (2 query heads per key/value
+# head; Qwen2.5-1.5B has 6).
+TINY = {**train.QWEN25_1_5B, "vocab_size": 64, "hidden_size": 512, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "bos_token_id": None, "eos_token_id": None}
+TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return optional("transformers")
+
+
+def stand_in(backward=True):
+    limits = binding.SdpaLimits("stand_in", devices=("cpu",), features=FEATURES, backward=backward)
+    return models.Backend("stand_in", "stand-in", lambda: binding.SdpaRouter(StandIn(), limits, True, name="stand_in.sdpa"))
+
+
+def run(rows, warmup=1, iters=2):
+    logs = []
+    result = train.benchmark(TINY, train.make_batch(TINY, TOKENS, "cpu"), rows, warmup=warmup, iters=iters,
+                             device="cpu", log=logs.append)
+    return result["rows"], logs
+
+
+def test_the_configuration_is_qwen25_1_5b_and_transformers_takes_it(transformers):
+    cfg = transformers.Qwen2Config(**train.QWEN25_1_5B, attn_implementation="sdpa")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (1536, 28, 12, 2)
+    assert cfg.hidden_size // cfg.num_attention_heads == 128 and cfg.tie_word_embeddings
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(cfg)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(1.54, abs=0.01), "not Qwen2.5-1.5B's size"
+
+
+def test_a_training_step_through_the_drop_in_agrees_with_sdpa(transformers):
+    """Every attention call of every step routed (forward and backward through the stand-in); the first step's loss
+    and gradients as SDPA default's, up to bf16 rounding."""
+    rows, logs = run([models.Backend("sdpa_default", "SDPA default", contextlib.nullcontext), stand_in()])
+    ref, step = rows["sdpa_default"], rows["stand_in"]
+    assert ref["status"] == "ok" and "grad_rel_err" not in ref, ref
+    assert step["status"] == "ok", step
+    assert step["routed_per_step"] == TINY["num_hidden_layers"] and step["routed_every_step"]
+    assert abs(step["loss_diff"]) < 1e-2 and step["grads_finite"]
+    assert step["grad_rel_err"] < 5e-2 and step["grad_cosine"] > 0.99, step
+    assert len(step["times_ms"]) == 2 and len(logs) == 2
+
+
+def test_a_drop_in_that_leaves_the_backward_to_torch_fails_its_row(transformers):
+    """A router that does not take calls needing gradients (strict) raises on the first: the row fails, saying why."""
+    rows, _ = run([stand_in(backward=False)])
+    assert rows["stand_in"]["status"].startswith("failed:"), rows
+
+
+def test_the_table_and_the_note_come_from_the_results(transformers, tmp_path):
+    rows = [models.Backend("sdpa_default", "SDPA default", contextlib.nullcontext), stand_in(),
+            models.Backend("absent", "absent", None, "not installed (x)")]
+    result = train.benchmark(TINY, train.make_batch(TINY, TOKENS, "cpu"), rows, warmup=0, iters=1, device="cpu",
+                             log=lambda m: None)
+    meta = {"gpu": "cpu", "torch": torch.__version__, "transformers": "t"}
+    rec = train.record(result, meta=meta, path=tmp_path / "train-x.json", step="stand_in", config=TINY, tokens=TOKENS,
+                       rows=rows, timing={"warmup": 0, "iters": 1}, seconds=1.0)
+    text = train.markdown(json.loads(json.dumps(rec)))
+    assert "| training step, 40 tokens, batch 1 | SDPA default | stand-in | absent |" in text
+    assert "| attention calls routed per step | - | 2 of 2 | - |" in text and "reference" in text
+    assert models.short_status({"status": "not installed (x)"}) in text and "but vocab_size=64" in text
+    assert not train.is_full(rec)
+
+
+def test_the_command_line():
+    args = train.parse_args(["--quick"])
+    assert (args.layers, args.tokens, args.warmup, args.iters) == (2, 1024, 1, 2)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--report", "no/such/file.json"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--iters", "0"])
