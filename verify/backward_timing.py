@@ -13,6 +13,10 @@ from verify import steps as steps_mod
 
 BACKWARD_FLOPS = 2.5  # the backward's FLOPs over the forward's: five GEMMs of Q K^T's size to the forward's two
 SEQLENS = [4096, 8192, 16384]  # the backward table's N (those of a run's seqlens)
+# The passes over the N: (row suffix, causal, query heads, key/value heads); "_gqa": causal with Llama-3-8B's grouped
+# heads, as the forward's GQA rows (bench.CAUSAL_TABLES).
+PASSES = [("", False, *bench.CAUSAL_TABLES["causal"]), ("_causal", True, *bench.CAUSAL_TABLES["causal"]),
+          ("_gqa", True, *bench.CAUSAL_TABLES["gqa"])]
 
 
 def steps_with_backward() -> list[str]:
@@ -50,10 +54,11 @@ def fa4_attention():
     return forward, None
 
 
-def implementations(steps: dict, causal: bool, fa4=None) -> dict:
+def implementations(steps: dict, causal: bool, fa4=None, suffix: str | None = None) -> dict:
     """name -> forward(q, k, v) returning O with its autograd graph: each step of `steps` ({step: module}; a step whose
     backward gives the same bits only on request, twice: stepNN_bwd and stepNN_deterministic_bwd), then SDPA cuDNN and
-    FLASH, then FlashAttention-4 where `fa4` (fa4_attention()) is given."""
+    FLASH, then FlashAttention-4 where `fa4` (fa4_attention()) is given. Each name ends in `suffix` (default: "_causal"
+    for causal calls); SDPA takes grouped key/value heads with enable_gqa=True."""
     mask = "top_left" if causal else False
     fns = {}
     for step, mod in steps.items():
@@ -62,10 +67,12 @@ def implementations(steps: dict, causal: bool, fa4=None) -> dict:
             fns[f"{step}_deterministic_bwd"] = lambda q, k, v, mod=mod: mod.attention(q, k, v, causal=mask,
                                                                                       deterministic=True)[0]
     for backend, name in (("CUDNN_ATTENTION", "sdpa_cudnn"), ("FLASH_ATTENTION", "sdpa_flash")):
-        fns[f"{name}_bwd"] = lambda q, k, v, backend=backend: bench.sdpa_fn(backend, q, k, v, is_causal=causal)()
+        fns[f"{name}_bwd"] = lambda q, k, v, backend=backend: bench.sdpa_fn(
+            backend, q, k, v, is_causal=causal, **({"enable_gqa": True} if q.shape[1] != k.shape[1] else {}))()
     if fa4 is not None:
         fns["fa4_bwd"] = lambda q, k, v: fa4(q, k, v, causal=causal)
-    return {(f"{name}_causal" if causal else name): fn for name, fn in fns.items()}
+    suffix = ("_causal" if causal else "") if suffix is None else suffix
+    return {name + suffix: fn for name, fn in fns.items()}
 
 
 def backward_seqlens(seqlens: list[int]) -> list[int]:
@@ -74,7 +81,8 @@ def backward_seqlens(seqlens: list[int]) -> list[int]:
 
 
 def run(steps: dict, seqlens: list[int], timing: bench.Timing | None = None, log=print, causal: bool = True) -> dict:
-    """Time the backward of `steps` ({step: module}, each with info["backward"]) and SDPA's at each N, dense (and causal):
+    """Time the backward of `steps` ({step: module}, each with info["backward"]) and SDPA's at each N, dense (and causal,
+    and causal with Llama-3-8B's grouped heads: PASSES):
     {"step": the last of them, "seqlens", "flops", "method", "timings": {name: {N: cell}}, "unavailable": {name: {N: why}}}
     (what a results file keeps under "backward"; verify/report.py draws its table)."""
     import torch
@@ -88,21 +96,21 @@ def run(steps: dict, seqlens: list[int], timing: bench.Timing | None = None, log
     with bench.ClockSampler() as sampler:
         if sampler.source:
             timing = bench.fit_to_clock(timing, sampler.interval_s)
-        for masked in ([False, True] if causal else [False]):
+        for suffix, masked, heads, heads_kv in (PASSES if causal else PASSES[:1]):
             for n in seqlens:
-                batch, heads, _ = bench.shape_of(n)
+                batch = bench.shape_of(n)[0]
                 gen = torch.Generator(device="cuda").manual_seed(n)
-                q, k, v = (torch.randn(batch, heads, n, 128, device="cuda", generator=gen).add_(0.5).to(torch.bfloat16)
-                           for _ in range(3))
+                q, k, v = (torch.randn(batch, h, n, 128, device="cuda", generator=gen).add_(0.5).to(torch.bfloat16)
+                           for h in (heads, heads_kv, heads_kv))
                 work = BACKWARD_FLOPS * (bench.causal_flops if masked else bench.flops)(batch, heads, n)
-                for name, forward in implementations(steps, masked, fa4).items():
+                for name, forward in implementations(steps, masked, fa4, suffix).items():
                     fn = backward_fn(forward, q, k, v)
                     if why := bench.refusal(fn):
                         unavailable.setdefault(name, {})[str(n)] = why
                         log(f"  N={n:<6} {name}: not timed: {why}")
                         continue
                     cell = bench.with_tflops(bench.measure(fn, flush, sampler, timing), work)
-                    cell["batch"], cell["heads"] = batch, heads
+                    cell["batch"], cell["heads"], cell["heads_kv"] = batch, heads, heads_kv
                     timings.setdefault(name, {})[str(n)] = cell
                     log(bench.log_line(f"N={n:<6} {name}", cell))
     return {"step": list(steps)[-1], "seqlens": seqlens, "flops": f"{BACKWARD_FLOPS} x 4 B H N^2 d (causal: half)",

@@ -338,7 +338,7 @@ def backward_rows(run: dict) -> list[dict]:
     if not b:
         return []
     t, out = b["timings"], []
-    for suffix in ("", "_causal"):
+    for suffix, word in (("", ""), ("_causal", " causal"), ("_gqa", " GQA, 32/8 heads")):
         cudnn = t.get(f"sdpa_cudnn_bwd{suffix}", {})
         for impl, cells in t.items():
             if not impl.endswith(f"_bwd{suffix}"):
@@ -347,7 +347,7 @@ def backward_rows(run: dict) -> list[dict]:
             tf = {n: (cells.get(str(n)) or {}).get("tflops") for n in b["seqlens"]}
             label = (base.removesuffix("_bwd").replace("_", " ") if base.startswith("step")
                      else BACKWARD_LABELS.get(base, base))
-            out.append({"impl": impl, "label": label + (" causal" if suffix else ""), "tflops": tf,
+            out.append({"impl": impl, "label": label + word, "tflops": tf,
                         "vs_cudnn": {} if cells is cudnn else
                         {n: _ratio(tf[n], (cudnn.get(str(n)) or {}).get("tflops")) for n in b["seqlens"]}})
     return out
@@ -357,7 +357,9 @@ def backward_note(run: dict) -> str:
     b = backward_of(run)
     return ("The backward alone (O computed once with gradients, then `torch.autograd.grad(o, (q, k, v), dO)` timed, "
             "as the forward is timed), TFLOP/s counting 2.5 times the forward's FLOPs (causal: half); batch = "
-            f"{TOTAL_TOKENS // 1024}K/N, {HEADS} heads, d = {HEAD_DIM}, bf16; causal: SDPA's is_causal=True. "
+            f"{TOTAL_TOKENS // 1024}K/N, {HEADS} heads, d = {HEAD_DIM}, bf16; causal: SDPA's is_causal=True"
+            + ("; GQA: causal, Llama-3-8B's 32 query heads over 8 key/value heads (SDPA with enable_gqa=True)"
+               if any(k.endswith("_gqa") for k in b["timings"]) else "") + ". "
             "× cuDNN: over SDPA cuDNN's backward in the same shape and mask. Source: "
             f"`{run.get('path') or b.get('path', 'the results file')}`."
             + "".join(f" Not timed: {next(iter(why.values()))}."

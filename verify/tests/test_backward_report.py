@@ -95,3 +95,18 @@ def test_flashattention_4_is_optional_and_called_in_its_own_layout(monkeypatch):
     q = torch.randn(2, 4, 16, 8)
     out = backward_timing.implementations({}, True, fa4)["fa4_bwd_causal"](q, q, q)
     assert why is None and seen == {"shape": (2, 16, 4, 8), "causal": True} and torch.equal(out, q * 2)
+
+
+def test_the_grouped_heads_pass_is_named_and_labelled_as_the_forwards():
+    """The third pass: causal with Llama-3-8B's 32 query heads over 8 key/value heads, rows ending in _gqa, SDPA given
+    enable_gqa=True; the table labels them and its note says what they are."""
+    suffix, causal, heads, heads_kv = backward_timing.PASSES[2]
+    assert (suffix, causal, heads, heads_kv) == ("_gqa", True, 32, 8)
+    assert set(backward_timing.implementations({}, True, None, "_gqa")) == {"sdpa_cudnn_bwd_gqa", "sdpa_flash_bwd_gqa"}
+    cell = lambda tf: {"4096": {"tflops": tf}}  # noqa: E731
+    run = {"backward": {"step": "step26", "seqlens": [4096], "timings": {
+        "step26_bwd_gqa": cell(100.0), "sdpa_cudnn_bwd_gqa": cell(400.0)}}}
+    rows = {r["impl"]: r for r in report.backward_rows(run)}
+    assert rows["step26_bwd_gqa"]["label"] == "step26 GQA, 32/8 heads"
+    assert rows["step26_bwd_gqa"]["vs_cudnn"] == {4096: 0.25}
+    assert "32 query heads over 8 key/value heads" in report.backward_note(run)
