@@ -52,6 +52,7 @@ from .checks import (
     runs_on,
 )
 from .router import (
+    CHECKPOINTED,
     SDPA_PARAMETERS,
     CausalMask,
     NotRouted,
@@ -71,7 +72,8 @@ __all__ = [
     "ALIGN", "MAX_GRID_YZ", "MAX_ROW_STRIDE", "Device", "check_causal", "check_causal_code", "check_device",
     "check_inputs", "check_launch", "check_outputs_apart", "check_scale", "check_types", "code_for", "device_props",
     "no_cuda_reason", "runs_on",
-    "SDPA_PARAMETERS", "CausalMask", "NotRouted", "SdpaLimits", "SdpaRouter", "TensorMeta", "constant", "describe",
+    "CHECKPOINTED", "SDPA_PARAMETERS", "CausalMask", "NotRouted", "SdpaLimits", "SdpaRouter", "TensorMeta", "constant",
+    "describe",
     "route_reason", "sdpa_arguments",
     "Step", "bind_step", "output_like",
 ]

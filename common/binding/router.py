@@ -128,10 +128,16 @@ def _reason(error: Exception, step: str) -> str:
     return str(error).removeprefix(f"flashladder.{step}: ")
 
 
-def route_reason(call: Optional[dict], limits: SdpaLimits, grad_enabled: bool) -> Optional[str]:
+CHECKPOINTED = ("gradients are needed inside activation checkpointing (saved-tensor hooks are active): its recompute in "
+                "the backward would not reach the drop-in, a torch function mode, so the call stays with torch")
+
+
+def route_reason(call: Optional[dict], limits: SdpaLimits, grad_enabled: bool,
+                 checkpointed: bool = False) -> Optional[str]:
     """Why the kernel of `limits` cannot take this SDPA call, in one line; None when it can.
 
-    `call`: sdpa_arguments(...) with every value passed through describe(); `grad_enabled`: torch.is_grad_enabled().
+    `call`: sdpa_arguments(...) with every value passed through describe(); `grad_enabled`: torch.is_grad_enabled();
+    `checkpointed`: saved_tensor_hooks_active().
     Pure: it reads nothing else (but the GPU's properties, cached), so tests call it with metadata alone.
     """
     if call is None:
@@ -175,6 +181,8 @@ def route_reason(call: Optional[dict], limits: SdpaLimits, grad_enabled: bool) -
             return "gradients are needed: the step computes no backward (run the model under torch.no_grad())"
         if not limits.gradients:
             return "gradients are needed: sdpa(gradients=False) leaves such calls to torch"
+        if checkpointed:
+            return CHECKPOINTED
     try:
         checks.check_scale(limits.step, checks.check_types(limits.step, call["scale"]))
         # The op's own checks of the tensors, on meta tensors of the same shapes, strides and dtypes.
@@ -205,14 +213,25 @@ def _active_routers() -> list:
     return _active.routers
 
 
-def _decide(key: str, described: Optional[tuple], grad_enabled: bool) -> Optional[str]:
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are active, as inside non-reentrant activation checkpointing
+    (torch.utils.checkpoint.checkpoint(use_reentrant=False), diffusers' and transformers' gradient checkpointing).
+    There the region's forward runs again in the backward, where no torch function mode is active (torch 2.13): a
+    call routed in the forward would meet torch's SDPA in the recompute (torch.utils.checkpoint.CheckpointError). The
+    reentrant kind runs its forward without gradients, which the router routes as a forward alone. False while
+    torch.compile traces (it cannot read the hooks)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and not torch.compiler.is_compiling() and top(False) is not None
+
+
+def _decide(key: str, described: Optional[tuple], grad_enabled: bool, checkpointed: bool = False) -> Optional[str]:
     """route_reason for the router `key`, counted in the innermost active router of that key; strict raises.
 
     Under torch.compile this runs as plain Python while tracing, once per traced call (SdpaRouter marks it with
     torch.compiler.assume_constant_result: its result becomes a constant of the compiled code), so its counting is
     real and the compiled code carries no trace of it. Its arguments are constants for that reason."""
     limits, strict, name = _SETTINGS[key]
-    reason = route_reason(None if described is None else dict(described), limits, grad_enabled)
+    reason = route_reason(None if described is None else dict(described), limits, grad_enabled, checkpointed)
     router = next((r for r in reversed(_active_routers()) if r.key == key), None)
     if router is not None:
         if reason is None:
@@ -275,7 +294,7 @@ class SdpaRouter(TorchFunctionMode):
             return func(*args, **kwargs)  # (inside this method the mode is off: torch runs the call as it is)
         call = sdpa_arguments(args, kwargs)
         described = None if call is None else tuple((name, describe(value)) for name, value in call.items())
-        if _decide(self.key, described, torch.is_grad_enabled()) is not None:
+        if _decide(self.key, described, torch.is_grad_enabled(), saved_tensor_hooks_active()) is not None:
             return func(*args, **kwargs)
         scale, mask = call["scale"], describe(call["attn_mask"])
         causal = mask.alignment if isinstance(mask, CausalMask) else "top_left" if call["is_causal"] else False

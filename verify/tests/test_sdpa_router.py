@@ -841,3 +841,29 @@ def test_routed_causal_and_grouped_calls_are_within_the_step_s_bounds(mod):
             case = prepare(q, k, v, causal=causal)
             err = errors_of(case, o, torch.from_numpy(case.lse_ref))  # O judged; the drop-in returns no LSE
             assert not err.failures(), f"{nq}x{nk} {kwargs}: {'; '.join(err.failures())}; {replay()}"
+
+
+def plain_attention(q, k, v, scale, causal=False):
+    """Attention in torch's own ops, differentiable: a stand-in for a step with a backward."""
+    return torch.matmul((torch.matmul(q, k.transpose(-1, -2)) * scale).softmax(-1), v)
+
+
+def test_inside_activation_checkpointing_a_call_that_needs_gradients_stays_with_torch():
+    """Non-reentrant checkpointing runs the region's forward again in the backward, where no torch function mode is
+    active: a call the router took in the forward would meet torch's SDPA in the recompute (CheckpointError). So the
+    router leaves it to torch there, saying why (strict: raises); outside checkpointing it takes the same call."""
+    from torch.utils.checkpoint import checkpoint
+    limits = CPU_LIMITS._replace(step="cpu_backward_stand_in", backward=True)
+    q, k, v = (t.requires_grad_() for t in cpu_qkv(n=16))
+
+    def block(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+    with router(attention=plain_attention, limits=limits) as plain:
+        block(q, k, v).sum().backward()
+    assert plain.routed == 1 and not plain.fallbacks
+    with router(attention=plain_attention, limits=limits) as r:
+        checkpoint(block, q, k, v, use_reentrant=False).sum().backward()
+    assert r.routed == 0 and list(r.fallbacks) == [binding.CHECKPOINTED]
+    with router(strict=True, attention=plain_attention, limits=limits), pytest.raises(binding.NotRouted) as e:
+        checkpoint(block, q, k, v, use_reentrant=False)
+    assert binding.CHECKPOINTED in str(e.value)
