@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 from verify import models, train  # noqa: E402
 from verify.tests.test_capstone import optional  # noqa: E402
+from verify.tests.test_capstone import tiny_config as tiny_wan  # noqa: E402
 from verify.tests.test_prefill import FEATURES, StandIn  # noqa: E402
 
 binding = importlib.import_module("binding")
@@ -82,15 +83,50 @@ def test_the_table_and_the_note_come_from_the_results(transformers, tmp_path):
     rec = train.record(result, meta=meta, path=tmp_path / "train-x.json", step="stand_in", config=TINY, tokens=TOKENS,
                        rows=rows, timing={"warmup": 0, "iters": 1}, seconds=1.0)
     text = train.markdown(json.loads(json.dumps(rec)))
-    assert "| training step, 40 tokens, batch 1 | SDPA default | stand-in | absent |" in text
+    assert "| Qwen2.5-1.5B training step, 40 tokens, batch 1 | SDPA default | stand-in | absent |" in text
     assert "| attention calls routed per step | - | 2 of 2 | - |" in text and "reference" in text
     assert models.short_status({"status": "not installed (x)"}) in text and "but vocab_size=64" in text
     assert not train.is_full(rec)
 
 
+@pytest.fixture(scope="module")
+def diffusers():
+    optional("transformers")
+    return optional("diffusers")
+
+
+def test_a_wan_training_step_through_the_drop_in_agrees_with_sdpa(diffusers):
+    """The Wan model: every attention call of a step routed (a self- and a cross-attention per block, forward and
+    backward the stand-in's); its loss and gradients as SDPA default's."""
+    spec = train.MODELS["wan"]
+    config = {**tiny_wan(), "num_layers": 2}
+    rows = [models.Backend("sdpa_default", "SDPA default", contextlib.nullcontext), stand_in()]
+    result = train.benchmark(config, spec.batch(config, (2, 8, 8), "cpu"), rows, warmup=0, iters=1, device="cpu",
+                             log=lambda m: None, spec=spec)["rows"]
+    step = result["stand_in"]
+    assert result["sdpa_default"]["status"] == "ok" and step["status"] == "ok", result
+    assert step["routed_per_step"] == spec.calls(config) == 2 * 2 and step["routed_every_step"]
+    assert abs(step["loss_diff"]) < 1e-2 and step["grad_cosine"] > 0.99, step
+
+
+def test_with_gradient_checkpointing_the_strict_row_fails_saying_why(diffusers):
+    """Gradient checkpointing: the recompute in the backward would not reach the drop-in, so the router leaves the
+    calls that need gradients to torch, and a strict row fails with the reason (SDPA default's row runs)."""
+    spec = train.with_checkpointing(train.MODELS["wan"])
+    config = {**tiny_wan(), "num_layers": 1}
+    rows = [models.Backend("sdpa_default", "SDPA default", contextlib.nullcontext), stand_in()]
+    result = train.benchmark(config, spec.batch(config, (2, 8, 8), "cpu"), rows, warmup=0, iters=1, device="cpu",
+                             log=lambda m: None, spec=spec)["rows"]
+    assert result["sdpa_default"]["status"] == "ok" and spec.calls(config) == 4
+    assert result["stand_in"]["status"].startswith("failed") and binding.CHECKPOINTED in result["stand_in"]["status"]
+
+
 def test_the_command_line():
     args = train.parse_args(["--quick"])
-    assert (args.layers, args.tokens, args.warmup, args.iters) == (2, 1024, 1, 2)
+    assert (args.layers, args.tokens, args.grid, args.warmup, args.iters) == (2, 1024, (2, 16, 16), 1, 2)
+    assert train.parse_args(["--model", "wan", "--grid", "1x4x4"]).grid == (1, 4, 4)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--grid", "3x3x3"])  # not a multiple of the patch
     with pytest.raises(SystemExit):
         train.parse_args(["--report", "no/such/file.json"])
     with pytest.raises(SystemExit):
