@@ -1882,6 +1882,52 @@ def backward_walks(k: Code):
     return fig
 
 
+@picture("backward_one_pass.png")
+def backward_one_pass(k: Code):
+    tile = k.step("step26", "BWD_TILE")
+    nq, nk, j = 6, 6, 2                          # an example: 6 query tiles, 6 key tiles, dense; the key tile shown
+    fig = plt.figure(figsize=(13, 6.6))
+    fig.suptitle("steps 25 and 26: one walk over the scores, dQ added up across CTAs; the next query tile copied in "
+                 "under the products", fontsize=12.5)
+    ax = fig.add_axes([0.02, 0.22, 0.44, 0.66])
+    blank(ax, (-3.4, nk + 0.4), (-0.4, nq + 1.4))
+    ax.set_title(f"step25: the CTA of key tile {j} ({tile} keys) makes dQ's share of every query tile it walks",
+                 fontsize=10)
+    for qi in range(nq):
+        y = nq - 1 - qi
+        for kj in range(nk):
+            box(ax, kj, y, 1, 1, "P, dS" if kj == j else "", C_COMPUTE if kj == j else "#f3f3f3", edge="#bbbbbb",
+                size=7, lw=0.6)
+        box(ax, -3.2, y, 1.4, 1, f"Q{qi} dO{qi}", C_LIGHT, size=7)
+        box(ax, -1.7, y, 1.5, 1, f"dQ{qi} fp32", "#fde0c5", size=7)
+        arrow(ax, (j, y + 0.5), (-0.2, y + 0.5), C_EMPTY, lw=0.9)
+    for kj in range(nk):
+        box(ax, kj, nq + 0.2, 1, 0.8, f"K{kj} V{kj}", C_TMA if kj == j else C_LIGHT, size=7,
+            color="white" if kj == j else "black")
+    ax.text(nk / 2 - 1, -0.3, f"red: += dS K{j} (atomicAdd of float2); every key tile's CTA adds to every row:\n"
+            "the order of the adds varies, and with it dQ's last bits", ha="center", va="top", fontsize=8.5)
+    ax = fig.add_axes([0.52, 0.3, 0.46, 0.55])
+    blank(ax, (-2.6, 6.2), (-0.4, 3.3))
+    ax.set_title("step26: two slots of Q, dO, LSE and D; one CTA, its query tiles in time", fontsize=10)
+    lanes = (("copies (cp.async)", 2.2), ("products (mma.sync)", 1.2), ("dQ adds (red.global)", 0.2))
+    for label, y in lanes:
+        ax.text(-0.2, y + 0.35, label, ha="right", va="center", fontsize=8.5)
+    for tj in range(5):
+        x = tj * 1.2
+        if tj < 4:
+            box(ax, x, 2.2, 1.1, 0.7, f"tile {tj + 1} -> slot {(tj + 1) % 2}", C_TMA, size=7, color="white")
+        box(ax, x, 1.2, 1.1, 0.7, f"tile {tj}, slot {tj % 2}", C_COMPUTE, size=7)
+        box(ax, x + 0.55, 0.2, 0.55, 0.7, "dQ", C_EMPTY, size=7, color="white")
+    ax.text(2.4, -0.3, "the copies of tile j+1 are in flight while tile j's products run\n(cp.async.wait_group 1, "
+            "then one barrier); step25 loaded each tile, then waited for it", ha="center", va="top", fontsize=8.5)
+    caption(fig, "Left: step24 walked the scores twice, the key tiles' CTAs for dK and dV, the query tiles' for dQ, making "
+            "S and dP twice; step25's key-tile CTA writes dS to shared memory, multiplies it by its K tile and adds the "
+            "result to an fp32 accumulator, zeroed by the first kernel and scaled into bf16 dQ by the last. "
+            "deterministic=True keeps step24's second walk, whose single writer per element gives the same bits every "
+            f"call. Right: step26's key-tile CTA with its {tile}-query tiles in two slots.", y=0.01, width=175)
+    return fig
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python docs/pictures.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="pictures to draw (file names, .png optional; default: all)")

@@ -24,6 +24,7 @@
 //   (results/h200/2026-12-03-step26/variants26.log); step26's overlapped loads gain it, and more, without it.
 // CHECKED (results/h200/2026-12-03-step25/): the backward checks, dQ by the accumulator and deterministic=True (two
 //   calls bitwise equal); compute-sanitizer memcheck and racecheck clean, both ways; test_sass.py: REDG.E.ADD.F32x2.
+// PICTURES: docs/img/backward_one_pass.png.
 #include <climits>
 
 #include "flashladder.cuh"

@@ -24,6 +24,7 @@
 //   / 1.33x); deterministic=True 109.6 / 113.6 / 112.7 (its dK/dV kernel's loads overlapped too, its dQ kernel not).
 // CHECKED (results/h200/2026-12-03-step26/): the backward checks (checks_backward_step26.log), memcheck and racecheck
 //   clean both ways (san_step26.txt); test_sass.py: LDGSTS and DEPBAR.LE SB0, 0x1 in the backward's kernels.
+// PICTURES: docs/img/backward_one_pass.png.
 #include <climits>
 
 #include "flashladder.cuh"
