@@ -903,10 +903,10 @@ constexpr int DIM_BLOCKS = HEAD_DIM / 8;            // a warp's 16 x 128 gradien
 constexpr int DIM_STEPS = HEAD_DIM / 16;            // k-steps of a product over the head dim
 constexpr int TILE_STEPS = BWD_TILE / 16;           // k-steps of a product over a tile's 64 rows
 
-// The tiles of one CTA in shared memory, bf16: Q, dO (a tile of queries) and K, V (a tile of keys); the query tile's
-// LSE and D (the dK/dV kernel reads them per column); and dS (queries x keys, for dQ: bwd_dkdv_kernel<true> only).
+// The dQ kernel's tiles in shared memory, bf16: Q, dO (a tile of queries) and K, V (a tile of keys); and the query
+// tile's LSE and D. (The dK/dV kernel's are DkdvTiles, below.)
 struct BwdTiles {
-    __nv_bfloat16 *q, *d_o, *k, *v, *ds;
+    __nv_bfloat16 *q, *d_o, *k, *v;
     float *lse, *delta;
 };
 
@@ -918,7 +918,6 @@ __device__ BwdTiles bwd_tiles(char* smem) {
     t.v = t.k + BWD_TILE_ELEMS;
     t.lse = reinterpret_cast<float*>(t.v + BWD_TILE_ELEMS);
     t.delta = t.lse + BWD_TILE;
-    t.ds = reinterpret_cast<__nv_bfloat16*>(t.delta + BWD_TILE);
     return t;
 }
 
