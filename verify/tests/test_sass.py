@@ -225,6 +225,13 @@ CLAIMS = [
           present={"LDGSTS (cp.async: the next query tile's Q and dO, global -> shared)": r"LDGSTS\b",
                    "DEPBAR.LE SB0, 0x1 (cp.async.wait_group 1: this tile's copies waited for, the next one's in flight)":
                    r"DEPBAR\.LE\s+SB0,\s*0x1\b"}),
+    Claim("backward_wgmma", 28, None, part="backward",
+          present={"HGMMA.64x64x16 (S^T = K Q^T, dP^T = V dO^T and dQ = dS K on wgmma, operands by descriptor)":
+                   r"HGMMA\.64x64x16\.",
+                   "HGMMA.64x128x16 with A in registers (dV += P^T dO, dK += dS^T Q)":
+                   r"HGMMA\.64x128x16\.\S+\s+R\d+,\s*R\d+,",
+                   "gdesc[...].tnspA (dQ = dS K: dS^T read from shared memory transposed)":
+                   r"HGMMA\.\S+\s+R\d+,\s*gdesc\[\w+\]\.tnspA"}),
 ]
 
 
