@@ -221,7 +221,7 @@ CLAIMS = [
     Claim("dq_accumulated", 25, None, part="backward",
           present={"REDG.E.ADD.F32x2 (atomicAdd of float2: dQ's partial sums added to the fp32 accumulator)":
                    r"REDG\.E\.ADD\.F32x2\b"}),
-    Claim("backward_loads_under_products", 26, None, part="backward",
+    Claim("backward_loads_under_products", 26, 28, part="backward",
           present={"LDGSTS (cp.async: the next query tile's Q and dO, global -> shared)": r"LDGSTS\b",
                    "DEPBAR.LE SB0, 0x1 (cp.async.wait_group 1: this tile's copies waited for, the next one's in flight)":
                    r"DEPBAR\.LE\s+SB0,\s*0x1\b"}),
@@ -232,6 +232,10 @@ CLAIMS = [
                    r"HGMMA\.64x128x16\.\S+\s+R\d+,\s*R\d+,",
                    "gdesc[...].tnspA (dQ = dS K: dS^T read from shared memory transposed)":
                    r"HGMMA\.\S+\s+R\d+,\s*gdesc\[\w+\]\.tnspA"}),
+    Claim("backward_tma", 29, None, part="backward",
+          present={"UTMALDG (cp.async.bulk.tensor: the backward's Q, dO, K and V tiles by TMA)": r"UTMALDG\b",
+                   "SYNCS.PHASECHK (mbarrier.try_wait.parity: a slot's tiles waited for)": r"SYNCS\.PHASECHK\b"},
+          absent={"LDGSTS (cp.async, per-thread copies)": r"LDGSTS\b"}),
 ]
 
 
