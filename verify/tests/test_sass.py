@@ -684,6 +684,24 @@ def test_the_work_tiles_divide_by_multiplying_and_the_epilogue_takes_the_mufu(cu
         assert new["MUFU.RCP"] == 2, f"{name}: MUFU.RCP {old['MUFU.RCP']} -> {new['MUFU.RCP']}"
 
 
+def dkdv_kernels(opcodes: dict[str, collections.Counter]) -> list[collections.Counter]:
+    """The dK/dV kernel's two builds: without and with the dQ accumulation (bwd_dkdv_kernel<false>, <true>)."""
+    return [next(c for name, c in opcodes.items() if f"bwd_dkdv_kernelILb{accumulate}E" in name) for accumulate in "01"]
+
+
+def test_the_dkdv_kernel_takes_p_by_one_ffma_and_one_ex2_step30(cuobjdump):
+    """step30's header says P^T is one FFMA and one ex2 an element and the masks a branch per warp: in both builds of
+    the dK/dV kernel, expf's range reduction (FFMA.RM, one per exponential: 32 in step29) is gone, the exponentials
+    stay 32 MUFU.EX2, the per-element branches' BSSY fall by at least 25 (step29: 40 and 42), and the kernel is
+    shorter by at least 300 instructions (with nvcc 13.0, about 470)."""
+    ops = kernel_opcodes(cuobjdump, ("step29", "step30"))
+    for old, new in zip(dkdv_kernels(ops["step29"]), dkdv_kernels(ops["step30"])):
+        assert old["FFMA.RM"] >= 32 and new["FFMA.RM"] == 0, f"FFMA.RM {old['FFMA.RM']} -> {new['FFMA.RM']}"
+        assert new["MUFU.EX2"] == old["MUFU.EX2"] == 32, f"MUFU.EX2 {old['MUFU.EX2']} -> {new['MUFU.EX2']}"
+        assert new["BSSY"] <= old["BSSY"] - 25, f"BSSY {old['BSSY']} -> {new['BSSY']}"
+        assert sum(new.values()) <= sum(old.values()) - 300, f"{sum(old.values())} -> {sum(new.values())} instructions"
+
+
 @pytest.mark.parametrize("later", [s for s in steps_mod.all_steps() if int(s[4:]) > 22])
 def test_the_backward_steps_keep_step22s_forward(later, cuobjdump):
     """The backward's steps say their forward is step22's, unchanged (a neighbour diff shows only the backward): each
