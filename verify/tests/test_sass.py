@@ -702,6 +702,17 @@ def test_the_dkdv_kernel_takes_p_by_one_ffma_and_one_ex2_step30(cuobjdump):
         assert sum(new.values()) <= sum(old.values()) - 300, f"{sum(old.values())} -> {sum(new.values())} instructions"
 
 
+def test_the_dkdv_kernel_builds_its_descriptors_once_step31(cuobjdump):
+    """step31's header says the dK/dV kernel's descriptors are built once and advanced: the masks and shifts that
+    encode a descriptor from an address (LOP3 / ULOP3 with 0x3fc.. and 0x10000, SHF / USHF) fall by at least 60 in
+    each build (with nvcc 13.0, about 110 and 160), and the kernel is shorter by at least 90 instructions (96 and 144)."""
+    ops = kernel_opcodes(cuobjdump, ("step30", "step31"))
+    encode = lambda c: sum(n for op, n in c.items() if op.split(".")[0] in ("LOP3", "ULOP3", "SHF", "USHF"))  # noqa: E731
+    for old, new in zip(dkdv_kernels(ops["step30"]), dkdv_kernels(ops["step31"])):
+        assert encode(new) <= encode(old) - 60, f"LOP3 / ULOP3 / SHF / USHF {encode(old)} -> {encode(new)}"
+        assert sum(new.values()) <= sum(old.values()) - 90, f"{sum(old.values())} -> {sum(new.values())} instructions"
+
+
 @pytest.mark.parametrize("later", [s for s in steps_mod.all_steps() if int(s[4:]) > 22])
 def test_the_backward_steps_keep_step22s_forward(later, cuobjdump):
     """The backward's steps say their forward is step22's, unchanged (a neighbour diff shows only the backward): each
