@@ -333,13 +333,14 @@ def backward_of(run: dict) -> dict | None:
 
 
 def backward_rows(run: dict) -> list[dict]:
-    """One row per implementation, dense then causal: TFLOP/s per N and the ratio to SDPA cuDNN's backward there."""
+    """One row per implementation, dense then causal: TFLOP/s per N and the ratios to SDPA cuDNN's backward and to
+    FlashAttention-4's there (vs_fa4 empty where FA4 was not timed)."""
     b = backward_of(run)
     if not b:
         return []
     t, out = b["timings"], []
     for suffix, word in (("", ""), ("_causal", " causal"), ("_gqa", " GQA, 32/8 heads")):
-        cudnn = t.get(f"sdpa_cudnn_bwd{suffix}", {})
+        cudnn, fa4 = t.get(f"sdpa_cudnn_bwd{suffix}", {}), t.get(f"fa4_bwd{suffix}", {})
         for impl, cells in t.items():
             if not impl.endswith(f"_bwd{suffix}"):
                 continue
@@ -349,7 +350,9 @@ def backward_rows(run: dict) -> list[dict]:
                      else BACKWARD_LABELS.get(base, base))
             out.append({"impl": impl, "label": label + word, "tflops": tf,
                         "vs_cudnn": {} if cells is cudnn else
-                        {n: _ratio(tf[n], (cudnn.get(str(n)) or {}).get("tflops")) for n in b["seqlens"]}})
+                        {n: _ratio(tf[n], (cudnn.get(str(n)) or {}).get("tflops")) for n in b["seqlens"]},
+                        "vs_fa4": {} if cells is fa4 or not fa4 else
+                        {n: _ratio(tf[n], (fa4.get(str(n)) or {}).get("tflops")) for n in b["seqlens"]}})
     return out
 
 
@@ -360,7 +363,9 @@ def backward_note(run: dict) -> str:
             f"{TOTAL_TOKENS // 1024}K/N, {HEADS} heads, d = {HEAD_DIM}, bf16; causal: SDPA's is_causal=True"
             + ("; GQA: causal, Llama-3-8B's 32 query heads over 8 key/value heads (SDPA with enable_gqa=True)"
                if any(k.endswith("_gqa") for k in b["timings"]) else "") + ". "
-            "× cuDNN: over SDPA cuDNN's backward in the same shape and mask. Source: "
+            "× cuDNN: over SDPA cuDNN's backward in the same shape and mask"
+            + ("; × FA4: over FlashAttention-4's (`flash-attn-4`, its sm90 backward) in the same shape and mask"
+               if any(k.startswith("fa4_bwd") for k in b["timings"]) else "") + ". Source: "
             f"`{run.get('path') or b.get('path', 'the results file')}`."
             + "".join(f" Not timed: {next(iter(why.values()))}."
                       for name, why in (b.get("unavailable") or {}).items() if why and name not in b["timings"]))
@@ -372,11 +377,14 @@ def backward_markdown_table(run: dict) -> str:
         return ""
     seqlens = backward_of(run)["seqlens"]
     every = "/".join(_label(n) for n in seqlens)
-    lines = [f"| backward | {' | '.join(f'N={_label(n)}' for n in seqlens)} | × cuDNN ({every}) |",
-             "|---|" + "---:|" * len(seqlens) + "---:|"]
+    with_fa4 = any(r["vs_fa4"] for r in rs)
+    lines = [f"| backward | {' | '.join(f'N={_label(n)}' for n in seqlens)} | × cuDNN ({every}) |"
+             + (f" × FA4 ({every}) |" if with_fa4 else ""),
+             "|---|" + "---:|" * len(seqlens) + "---:|" + ("---:|" if with_fa4 else "")]
     for r in rs:
         cells = [_fmt(r["tflops"][n], ".1f") for n in seqlens]
-        lines.append(f"| {r['label']} | {' | '.join(cells)} | {_ratios(r['vs_cudnn'], seqlens, seqlens)} |")
+        lines.append(f"| {r['label']} | {' | '.join(cells)} | {_ratios(r['vs_cudnn'], seqlens, seqlens)} |"
+                     + (f" {_ratios(r['vs_fa4'], seqlens, seqlens)} |" if with_fa4 else ""))
     return "\n".join(lines + ["", backward_note(run)])
 
 
@@ -387,11 +395,15 @@ def backward_console_table(run: dict) -> str:
     seqlens = backward_of(run)["seqlens"]
     every = "/".join(_label(n) for n in seqlens)
     width = max(len(r["label"]) for r in rs) + 2
-    head = f"{'backward TFLOP/s':<{width}}" + "".join(f"{f'N={_label(n)}':>9}" for n in seqlens) + f"   ×cuDNN({every})"
+    with_fa4 = any(r["vs_fa4"] for r in rs)
+    cudnn_w = max(len(f"×cuDNN({every})"), *(len(_ratios(r["vs_cudnn"], seqlens, seqlens)) for r in rs))
+    head = (f"{'backward TFLOP/s':<{width}}" + "".join(f"{f'N={_label(n)}':>9}" for n in seqlens)
+            + f"   {f'×cuDNN({every})':<{cudnn_w}}" + (f"   ×FA4({every})" if with_fa4 else "")).rstrip()
     out = [head, "-" * len(head)]
     for r in rs:
         out.append((f"{r['label']:<{width}}" + "".join(f"{_fmt(r['tflops'][n], '.1f'):>9}" for n in seqlens)
-                    + f"   {_ratios(r['vs_cudnn'], seqlens, seqlens)}").rstrip())
+                    + f"   {_ratios(r['vs_cudnn'], seqlens, seqlens):<{cudnn_w}}"
+                    + (f"   {_ratios(r['vs_fa4'], seqlens, seqlens)}" if with_fa4 else "")).rstrip())
     return "\n".join(out)
 
 

@@ -713,6 +713,23 @@ def test_the_dkdv_kernel_builds_its_descriptors_once_step31(cuobjdump):
         assert sum(new.values()) <= sum(old.values()) - 90, f"{sum(old.values())} -> {sum(new.values())} instructions"
 
 
+def test_the_dq_product_runs_behind_the_next_scores_step32(cuobjdump):
+    """step32's header says tile j - 1's dQ = dS K is issued behind tile j's S^T and dP^T, with one block barrier a tile:
+    in the dK/dV kernel that accumulates dQ, a wgmma.wait_group 2 appears (S^T waited for with dP^T and dQ still
+    running; step31 has none), the block barriers fall by one (step31: the start's and two a tile), and the dQ product
+    (HGMMA ...tnspA.tnspB, 8 k-steps) is compiled twice, in the loop and after it for the last tile."""
+    ops = kernel_opcodes(cuobjdump, ("step31", "step32"))
+    old, new = dkdv_kernels(ops["step31"])[1], dkdv_kernels(ops["step32"])[1]
+    text = {s: [i.text for name, code in functions_of(sass_of(cuobjdump, kernel_so(s), "sm_90a")).items()
+                if "bwd_dkdv_kernelILb1E" in name for i in code] for s in ("step31", "step32")}
+    wait2 = {s: sum(bool(re.match(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x2\b", t)) for t in ts) for s, ts in text.items()}
+    dq = {s: sum(bool(re.match(r"HGMMA\.\S+\s+R\d+,\s*gdesc\[\w+\]\.tnspA\.tnspB", t)) for t in ts) for s, ts in text.items()}
+    assert wait2["step31"] == 0 and wait2["step32"] >= 1, wait2
+    bar = "BAR.SYNC.DEFER_BLOCKING"
+    assert new[bar] == old[bar] - 1, f"block barriers {old[bar]} -> {new[bar]}"
+    assert dq["step31"] == 8 and dq["step32"] == 16, dq
+
+
 @pytest.mark.parametrize("later", [s for s in steps_mod.all_steps() if int(s[4:]) > 22])
 def test_the_backward_steps_keep_step22s_forward(later, cuobjdump):
     """The backward's steps say their forward is step22's, unchanged (a neighbour diff shows only the backward): each
