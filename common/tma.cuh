@@ -54,6 +54,16 @@ __device__ __forceinline__ void cp_async_bulk_tensor_4d_shared_to_global(const C
                  :: "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(src))
                  : "memory");
 }
+// Add a box of fp32 from shared memory at `src` (laid out as the map's swizzle says) into the tensor of `map` at
+// coordinates (c0 innermost .. c3), element by element, in L2: a whole tile of partial sums by one instruction of one
+// thread, where per-thread atomics take one instruction per pair of floats. Elements outside the tensor are left out.
+// Tracked by bulk groups, as the store above. PTX ISA: "cp.reduce.async.bulk.tensor" (.add, f32 from the map).
+__device__ __forceinline__ void cp_reduce_async_bulk_tensor_4d_add(const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                                                   const void* src) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+                 :: "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(src))
+                 : "memory");
+}
 // Close the bulk copies issued so far by this thread into a group. PTX ISA: "cp.async.bulk.commit_group".
 __device__ __forceinline__ void cp_async_bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Wait until at most N of this thread's bulk groups still READ their shared-memory source (after which the
@@ -96,6 +106,23 @@ inline int encode_tile_map(CUtensorMap* map, const void* base, const int64_t str
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// The tensor map of a contiguous fp32 [batch, heads, rows, HEAD_DIM] accumulator (the backward's dQ), in boxes of
+// [box_rows, 32] with the 128-byte swizzle: 32 floats are one 128-byte row of the swizzle, so a box row is the same
+// 128-byte atom row as a bf16 tile's (common/swizzle.cuh), four boxes across the head dim. TMA dims, innermost first:
+// (dim, row, head, batch). Returns a CUresult (0 = success).
+inline int encode_accum_map(CUtensorMap* map, float* base, int rows, int heads, int batch, int box_rows) {
+    cudaError_t lookup = cudaSuccess;
+    const auto encode = driver_cuTensorMapEncodeTiled(&lookup);
+    if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
+    const uint64_t row_bytes = HEAD_DIM * sizeof(float);
+    const cuuint64_t dims[4] = {HEAD_DIM, cuuint64_t(rows), cuuint64_t(heads), cuuint64_t(batch)};
+    const cuuint64_t strides[3] = {row_bytes, row_bytes * rows, row_bytes * rows * heads};
+    const cuuint32_t box[4] = {32, cuuint32_t(box_rows), 1, 1};
+    const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
 // The coordinate to ask a tensor map for along a head or batch dimension of stride `stride`: 0 where the

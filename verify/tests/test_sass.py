@@ -218,7 +218,7 @@ CLAIMS = [
     Claim("backward_mma_sync", 24, None, part="backward",
           present={"HMMA (the backward's products on the tensor cores, mma.sync)": r"HMMA\.",
                    "LDSM (their fragments from shared memory, ldmatrix)": r"LDSM\."}),
-    Claim("dq_accumulated", 25, None, part="backward",
+    Claim("dq_accumulated", 25, 32, part="backward",
           present={"REDG.E.ADD.F32x2 (atomicAdd of float2: dQ's partial sums added to the fp32 accumulator)":
                    r"REDG\.E\.ADD\.F32x2\b"}),
     Claim("backward_loads_under_products", 26, 28, part="backward",
@@ -232,6 +232,10 @@ CLAIMS = [
                    r"HGMMA\.64x128x16\.\S+\s+R\d+,\s*R\d+,",
                    "gdesc[...].tnspA (dQ = dS K: dS^T read from shared memory transposed)":
                    r"HGMMA\.\S+\s+R\d+,\s*gdesc\[\w+\]\.tnspA"}),
+    Claim("dq_reduced_by_tma", 33, None, part="backward",
+          present={"UTMAREDG (cp.reduce.async.bulk.tensor .add: a staged tile of dQ added to the accumulator by TMA)":
+                   r"UTMAREDG\b"},
+          absent={"REDG.E.ADD.F32x2 (per-thread atomics of dQ's partial sums)": r"REDG\.E\.ADD\.F32x2\b"}),
     Claim("backward_tma", 29, None, part="backward",
           present={"UTMALDG (cp.async.bulk.tensor: the backward's Q, dO, K and V tiles by TMA)": r"UTMALDG\b",
                    "SYNCS.PHASECHK (mbarrier.try_wait.parity: a slot's tiles waited for)": r"SYNCS\.PHASECHK\b"},
