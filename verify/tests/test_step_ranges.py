@@ -47,8 +47,9 @@ def kernels(root: Path = ROOT) -> list[Path]:
 
 
 SEP = r"\s*(?:-|–|—|\.\.|to|through)\s*"
-# "steps 08-16", "Steps 1-7", "step16 to step20", "step01..step14"
-RANGE = re.compile(r"\bsteps?\s*(\d{1,2})" + SEP + r"(?:step\s*)?(\d{1,2})\b", re.I)
+# "steps 08-16", "Steps 1-7", "step16 to step20", "step01..step14"; never part of a path (a results folder named
+# for the steps it ran, results/h200/2026-12-04-steps30-31/)
+RANGE = re.compile(r"(?<![\w./-])\bsteps?\s*(\d{1,2})" + SEP + r"(?:step\s*)?(\d{1,2})\b", re.I)
 # "01-07 and 08-16" after a "step" earlier on the line, or a cell "| 08-16 |" of a table whose first column is steps;
 # never a date (2026-12-03) or a time
 PAIR = re.compile(r"(?<![\w.\-/:])(\d{2})\s?[-–]\s?(\d{2})(?![\w\-])")
