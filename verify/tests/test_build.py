@@ -37,6 +37,51 @@ def test_the_ptxas_report_has_a_block_per_architecture(step, built):
         assert len(set(re.findall(r"for '(\w+)'", block))) == 1, f"{step}: a block mixes architectures:\n{block}"
 
 
+# ptxas's note when it puts a wait after every wgmma of a kernel (C7514 / C7515 "Potential Performance Loss: wgmma.mma_async
+# instructions are serialized due to ..."): the kernel still computes the right thing, only slowly, and says so nowhere
+# else. Step32 met it by leaving a wgmma group running from one loop iteration into the next.
+WGMMA_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized")
+
+
+def test_no_kernel_has_its_wgmma_serialized(step, built):
+    """No kernel of the step is one whose wgmma ptxas serialized (its _ptxas.txt holds no such note)."""
+    text = (steps_mod.DEV / "flashladder" / step / "_ptxas.txt").read_text()
+    notes = [line.strip() for line in text.splitlines() if WGMMA_SERIALIZED.search(line)]
+    assert not notes, f"{step}: ptxas serialized the wgmma of a kernel:\n" + "\n".join(notes)
+
+
+# A kernel that reads its accumulator while the wgmma writing it may still run (the read before the wait), and the same
+# kernel with the read after the wait.
+WGMMA_PROBE = """#include "flashladder.cuh"
+#include "wgmma.cuh"
+__global__ void probe(float* out, uint64_t a, uint64_t b, int n) {{
+    float d[32] = {{}};
+    for (int i = 0; i < n; ++i) {{
+        wgmma_fence();
+        wgmma_m64n64k16_ss<0, 0>(d, a, b, 1);
+        wgmma_commit_group();
+        {early}
+        wgmma_wait_group<0>();
+        wgmma_fence_operands(d);
+        {late}
+    }}
+}}
+"""
+
+
+def test_the_serialization_note_is_seen(tmp_path):
+    """The check above bites: ptxas writes the note for a kernel that reads an accumulator before its wgmma's wait, the
+    pattern finds it in nvcc's output, and the same kernel with the read after the wait has none."""
+    flags = [*build_step.target_flags(build_step.TARGETS["sm90a_only"]), "-O3", "-Xptxas", "-v"]
+    read = "out[threadIdx.x + i * 128] = d[0];"
+    early = compile_probe(tmp_path, WGMMA_PROBE.format(early=read, late=""), flags)
+    assert early.returncode == 0, early.stdout + early.stderr
+    assert WGMMA_SERIALIZED.search(early.stdout + early.stderr), early.stdout + early.stderr
+    late = compile_probe(tmp_path, WGMMA_PROBE.format(early="", late=read), flags)
+    assert late.returncode == 0, late.stdout + late.stderr
+    assert not WGMMA_SERIALIZED.search(late.stdout + late.stderr), late.stdout + late.stderr
+
+
 def test_exports_the_abi(step, built):
     lib = ctypes.CDLL(str(steps_mod.DEV / "flashladder" / step / "_kernel.so"))
     import binding  # common/binding/ (verify.steps puts common/ on sys.path)
