@@ -26,9 +26,8 @@
 //   (results/h200/backward-2026-12-03T21-40-47Z.json). Below the prediction: every product still waits for the one
 //   before it (the walk's only overlap is P^T under dP^T) and both warpgroups stop at two barriers a tile, while the
 //   atomics and the loads sit between them. The H200 ran step28 at 1980 MHz and 455 W, FA4 at 1665 MHz and 661 W.
-// CHECKED: every backward check (verify/tests/test_backward_gpu.py), compute-sanitizer clean both ways
-//   (results/h200/2026-12-03-step28/); test_sass.py: HGMMA 64x64x16 and 64x128x16 with A in registers in the
-//   backward, and dS^T read transposed (tnspA).
+// CHECKED: every backward check, compute-sanitizer clean both ways (results/h200/2026-12-03-step28/); test_sass.py:
+//   HGMMA 64x64x16 and 64x128x16 with A in registers in the backward, and dS^T read transposed (tnspA).
 #include <climits>
 
 #include "flashladder.cuh"

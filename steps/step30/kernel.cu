@@ -23,9 +23,10 @@
 // MEASURED: 1.43 / 1.44 / 1.47x step29 at dense 4K / 8K / 16K (367.6 / 378.4 / 386.5 TFLOP/s against 257.4 / 262.2 /
 //   263.3 in the same run), 1.38-1.41x causal and 1.40-1.42x with grouped heads; 0.73 / 0.72 / 0.72x SDPA cuDNN, 0.64 /
 //   0.64 / 0.63x FlashAttention-4's sm90 backward (results/h200/backward-2026-12-04T14-42-01Z.json). ncu at N = 8K:
-//   1.61 G instructions in the dK/dV kernel, 767 a warp per tile (results/h200/2026-12-04-steps30-31/ncu_details_step30.txt).
-// CHECKED: every backward check (verify/tests/test_backward_gpu.py: results/h200/2026-12-04-steps30-31/checks_backward_step30_31.log),
-//   compute-sanitizer memcheck and racecheck clean both ways (results/h200/2026-12-04-steps30-31/san_step30_31.txt).
+//   1.61 G instructions in the dK/dV kernel, 767 a warp per tile
+//   (results/h200/2026-12-04-steps30-31/ncu_details_step30.txt).
+// CHECKED: every backward check (results/h200/2026-12-04-steps30-31/checks_backward_step30_31.log), compute-sanitizer
+//   memcheck and racecheck clean both ways (results/h200/2026-12-04-steps30-31/san_step30_31.txt).
 #include <climits>
 
 #include "flashladder.cuh"

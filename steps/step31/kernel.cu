@@ -20,12 +20,12 @@
 //   1.05-1.1x step30.
 // MEASURED: 1.03 / 1.02 / 1.02x step30 at dense 4K / 8K / 16K (377.1 / 385.1 / 393.0 TFLOP/s against 367.6 / 378.4 /
 //   386.5 in the same run), 1.03x causal and 1.03-1.04x with grouped heads; 0.75 / 0.74 / 0.73x SDPA cuDNN, 0.66 / 0.65
-//   / 0.64x FlashAttention-4's sm90 backward (results/h200/backward-2026-12-04T14-42-01Z.json). Less than predicted: ncu counts
-//   1.31 G instructions, not 1.61 G (623 a warp per tile, not 767), but the issue slots were no longer what the loop
-//   waited for (19.8 % busy, 23.83 % in step30): the tensor pipe is 40.7 % busy, and the stalls fall on the waits
-//   between one product and the next (results/h200/2026-12-04-steps30-31/ncu_details_step31.txt, ncu_details_step30.txt).
-// CHECKED: every backward check (verify/tests/test_backward_gpu.py: results/h200/2026-12-04-steps30-31/checks_backward_step30_31.log),
-//   compute-sanitizer memcheck and racecheck clean both ways (results/h200/2026-12-04-steps30-31/san_step30_31.txt).
+//   / 0.64x FlashAttention-4's sm90 backward (results/h200/backward-2026-12-04T14-42-01Z.json). Less than predicted:
+//   ncu counts 1.31 G instructions, not 1.61 G (623 a warp per tile, not 767), but the issue slots were no longer what
+//   the loop waited for (19.8 % busy, 23.83 % in step30): the tensor pipe is 40.7 % busy, and the stalls fall on the
+//   waits between products (results/h200/2026-12-04-steps30-31/ncu_details_step31.txt, ncu_details_step30.txt).
+// CHECKED: every backward check (results/h200/2026-12-04-steps30-31/checks_backward_step30_31.log), compute-sanitizer
+//   memcheck and racecheck clean both ways (results/h200/2026-12-04-steps30-31/san_step30_31.txt).
 #include <climits>
 
 #include "flashladder.cuh"

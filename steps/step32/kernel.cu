@@ -11,25 +11,21 @@
 // 32 dQ behind the next scores.
 //
 // WHAT CHANGED FROM STEP31
-//   Step13's idea (one warpgroup's products overlapped with its own elementwise work), in the dK/dV kernel. Step31
-//   ran a query tile's five products one after another: S^T and dP^T, P^T and dS^T, dV and dK, dS^T stored, a block
-//   barrier, dQ = dS K, its wait, its adds to the accumulator, another barrier; the tensor cores idle from dQ's end to
-//   the next tile's S^T. Here tile j - 1's dQ product is issued behind tile j's S^T and dP^T: it runs while P^T and
-//   dS^T are computed, and its adds go out while dV and dK run. dS^T gets two buffers (tile j's is written while tile
-//   j - 1's may still be read), Q and dO three slots (tile j + 1's copies go to the slot that tile j - 2's products
-//   are done with): 194 KB of shared memory, one barrier a tile.
-// WHY: ncu on step31 (N = 8K, results/h200/2026-12-04-steps30-31/ncu_details_step31.txt): the tensor pipe 40.7% busy, the issue slots
-//   19.8%; the stall samples fall on the waits for dQ's product and on the barriers around it.
-// PREDICTION: 1.15-1.3x step31 (dQ's product and adds, a fifth of a tile's tensor work and most of its waiting, under
-//   other work).
+//   Step13's idea (a warpgroup's products overlapped with its own elementwise work), in the dK/dV kernel. Step31 ran
+//   a query tile's products one after another and waited for dQ = dS K and its adds before the next tile's S^T, the
+//   tensor cores idle meanwhile. Here tile j - 1's dQ product is issued behind tile j's S^T and dP^T: it runs while
+//   P^T and dS^T are computed, and its adds go out while dV and dK run. dS^T gets two buffers, Q and dO three slots
+//   (tile j + 1's copies go to the slot tile j - 2 is done with): 194 KB of shared memory, one barrier a tile.
+// WHY: ncu on step31 (N = 8K, results/h200/2026-12-04-steps30-31/ncu_details_step31.txt): the tensor pipe 40.7% busy,
+//   the issue slots 19.8%; the stall samples fall on the waits for dQ's product and on the barriers around it.
+// PREDICTION: 1.15-1.3x step31 (dQ's product and adds, a fifth of a tile's tensor work, under other work).
 // MEASURED: 1.06 / 1.08 / 1.08x step31 at dense 4K / 8K / 16K (398.3 / 417.8 / 423.9 TFLOP/s against 377.5 / 386.5 /
-//   391.4 in the same run), 1.06-1.08x causal and 1.07-1.10x with grouped heads; 0.79 / 0.80 / 0.80x SDPA cuDNN, 0.71 /
-//   0.70 / 0.70x FlashAttention-4's sm90 backward (results/h200/backward-2026-12-04T15-02-18Z.json). Less than predicted: ncu
-//   counts the tensor pipe 46.2% busy, not 40.7%, and a warp's issue slots 24.17% (results/h200/2026-12-04-step32/ncu_details_step32.txt);
-//   the two warpgroups still run the same phase at the same time, meeting at the tile's barrier, and what one waits
-//   for the other waits for too.
-// CHECKED: every backward check (verify/tests/test_backward_gpu.py: results/h200/2026-12-04-step32/checks_backward_step32.log),
-//   compute-sanitizer memcheck and racecheck clean both ways (results/h200/2026-12-04-step32/san_step32.txt).
+//   391.4 in the same run), 1.06-1.08x causal, 1.07-1.10x with grouped heads; 0.79 / 0.80 / 0.80x SDPA cuDNN, 0.71 /
+//   0.70 / 0.70x FlashAttention-4's sm90 backward (results/h200/backward-2026-12-04T15-02-18Z.json). Less than
+//   predicted: the tensor pipe 46.2% busy, the issue slots 24.17%
+//   (results/h200/2026-12-04-step32/ncu_details_step32.txt): the warpgroups run one phase at once, meet every tile.
+// CHECKED: every backward check (results/h200/2026-12-04-step32/checks_backward_step32.log), compute-sanitizer
+//   memcheck and racecheck clean both ways (results/h200/2026-12-04-step32/san_step32.txt).
 #include <climits>
 
 #include "flashladder.cuh"

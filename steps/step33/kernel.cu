@@ -12,12 +12,11 @@
 //
 // WHAT CHANGED FROM STEP32
 //   FlashAttention-3's way of adding up dQ: each thread stores its share of a tile's dQ into a staging tile in shared
-//   memory (fp32, in the 128-byte swizzle: four [64 queries, 32 dims] boxes), and after the tile's barrier one thread
-//   (of the last warp, which has no other errand) adds the whole tile to the fp32 accumulator in global memory with
-//   four TMA reductions (cp.reduce.async.bulk.tensor .add, through a tensor map of the accumulator built on the host),
-//   where every thread issued 16 red.global.add of two floats. The staging tile is written again a tile later, once
-//   that thread has seen the TMA unit read it (cp.async.bulk.wait_group.read) and said so on an mbarrier the others
-//   wait for. 32 KB more shared memory: 226 KB.
+//   memory (fp32, four [64 queries, 32 dims] boxes in the 128-byte swizzle), and after the tile's barrier one thread
+//   (of the last warp, which has no other errand) adds the whole tile to the fp32 accumulator with four TMA reductions
+//   (cp.reduce.async.bulk.tensor .add, through the accumulator's tensor map), where every thread issued 16
+//   red.global.add of two floats. The staging tile is written again once that thread has seen the TMA unit read it
+//   (cp.async.bulk.wait_group.read) and said so on an mbarrier. 32 KB more shared memory: 226 KB.
 // WHY: ncu on step32 (N = 8K, results/h200/2026-12-04-step33/stall_tops.txt): the two instructions just after the
 //   red.global adds hold 9.1 % and 7.2 % of the warps' stall samples, on the long scoreboard: the adds' registers are
 //   not free until the memory system has taken them.
@@ -27,8 +26,8 @@
 //   0.75 / 0.74x FlashAttention-4's sm90 backward (results/h200/backward-2026-12-04T15-20-34Z.json). The first build
 //   had thread 0 reduce: 426.2 / 443.2 / 445.3 TFLOP/s, and 20.4 % of the stall samples on the others' wait for it
 //   (results/h200/2026-12-04-step33/backward_bench_reducer_thread0.log, stall_tops.txt).
-// CHECKED: every backward check (verify/tests/test_backward_gpu.py: results/h200/2026-12-04-step33/checks_backward_step33.log),
-//   compute-sanitizer memcheck and racecheck clean both ways (results/h200/2026-12-04-step33/san_step33.txt).
+// CHECKED: every backward check (results/h200/2026-12-04-step33/checks_backward_step33.log), compute-sanitizer
+//   memcheck and racecheck clean both ways (results/h200/2026-12-04-step33/san_step33.txt).
 #include <climits>
 
 #include "flashladder.cuh"
