@@ -1396,10 +1396,10 @@ FLASHLADDER_EXPORT int flashladder_bwd(const BwdParams* params, cudaStream_t str
         encode_tile_map(&K_map, p.k, p.k_stride, p.seqlen_k, p.heads_k, p.batch, KEY_TILE) != CUDA_SUCCESS ||
         encode_tile_map(&V_map, p.v, p.v_stride, p.seqlen_k, p.heads_k, p.batch, KEY_TILE) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
-    // dQ's fp32 accumulator, added to by TMA (the binding makes it contiguous, q's shape); the deterministic kernels
-    // take no accumulator and get Q's map in its place, unused.
-    if (accumulate ? encode_accum_map(&dQ_map, p.dq_accum, p.seqlen_q, p.heads, p.batch, BWD_TILE) != CUDA_SUCCESS
-                   : (dQ_map = Q_map, false))
+    // dQ's fp32 accumulator, added to by TMA (the binding makes it contiguous, q's shape). The deterministic kernels
+    // take no accumulator: they get Q's map in its place, unused.
+    dQ_map = Q_map;
+    if (accumulate && encode_accum_map(&dQ_map, p.dq_accum, p.seqlen_q, p.heads, p.batch, BWD_TILE) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
     if (accumulate) {
         bwd_dkdv_kernel<true><<<key_tiles, DKDV_THREADS, DKDV_SMEM_BYTES, stream>>>(p, Q_map, dO_map, K_map, V_map, dQ_map);
