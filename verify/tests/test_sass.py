@@ -236,6 +236,11 @@ CLAIMS = [
           present={"UTMAREDG (cp.reduce.async.bulk.tensor .add: a staged tile of dQ added to the accumulator by TMA)":
                    r"UTMAREDG\b"},
           absent={"REDG.E.ADD.F32x2 (per-thread atomics of dQ's partial sums)": r"REDG\.E\.ADD\.F32x2\b"}),
+    Claim("backward_warp_roles", 36, None, part="backward",
+          present={"USETMAXREG.DEALLOC (setmaxnreg.dec: the backward's producer warpgroup gives registers up)":
+                   r"USETMAXREG\.DEALLOC\b",
+                   "USETMAXREG.TRY_ALLOC (setmaxnreg.inc: its consumers take them)": r"USETMAXREG\.TRY_ALLOC\b",
+                   "BAR.SYNC 0x1 (a named barrier: the consumers alone meet once a tile)": r"BAR\.SYNC\S*\s+0x1\b"}),
     Claim("backward_tma", 29, None, part="backward",
           present={"UTMALDG (cp.async.bulk.tensor: the backward's Q, dO, K and V tiles by TMA)": r"UTMALDG\b",
                    "SYNCS.PHASECHK (mbarrier.try_wait.parity: a slot's tiles waited for)": r"SYNCS\.PHASECHK\b"},
@@ -732,6 +737,45 @@ def test_the_dq_product_runs_behind_the_next_scores_step32(cuobjdump):
     bar = "BAR.SYNC.DEFER_BLOCKING"
     assert new[bar] == old[bar] - 1, f"block barriers {old[bar]} -> {new[bar]}"
     assert dq["step31"] == 8 and dq["step32"] == 16, dq
+
+
+def dkdv_text(cuobjdump, step: str) -> list[str]:
+    """The instructions of the dK/dV kernel that accumulates dQ (bwd_dkdv_kernel<true>), as text."""
+    return [i.text for name, code in functions_of(sass_of(cuobjdump, kernel_so(step), "sm_90a")).items()
+            if "bwd_dkdv_kernelILb1E" in name for i in code]
+
+
+def test_the_dq_staging_stores_pick_their_blocks_step34(cuobjdump):
+    """step34's header says the lanes with tq / 2 = 1 store block db ^ 2 where the others store db, picked by two FSELs
+    a 64-bit store: in the dK/dV kernel that accumulates dQ, step33 has no FSEL and step34 two for each of its STS.64
+    (the staging's, in the loop and after it), whose number is step33's."""
+    ops = kernel_opcodes(cuobjdump, ("step33", "step34"))
+    old, new = dkdv_kernels(ops["step33"])[1], dkdv_kernels(ops["step34"])[1]
+    assert old["FSEL"] == 0 and new["STS.64"] == old["STS.64"] > 0, f"FSEL {old['FSEL']}, STS.64 {old['STS.64']} -> {new['STS.64']}"
+    assert new["FSEL"] == 2 * new["STS.64"], f"FSEL {new['FSEL']} for {new['STS.64']} STS.64"
+
+
+def test_the_dq_product_runs_beside_dk_step35(cuobjdump):
+    """step35's header says dQ = dS K is issued behind dV and beside dK in its own tile, no longer behind the next
+    tile's S^T and dP^T: the wgmma.wait_group 2 that waited for S^T with dP^T and dQ running is gone, and the dQ product
+    (HGMMA ...tnspA.tnspB, 8 k-steps) is compiled once, in the loop, where step34 has it twice (after the walk too)."""
+    text = {s: dkdv_text(cuobjdump, s) for s in ("step34", "step35")}
+    wait2 = {s: sum(bool(re.match(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x2\b", t)) for t in ts) for s, ts in text.items()}
+    dq = {s: sum(bool(re.match(r"HGMMA\.\S+\s+R\d+,\s*gdesc\[\w+\]\.tnspA\.tnspB", t)) for t in ts) for s, ts in text.items()}
+    assert wait2["step34"] >= 1 and wait2["step35"] == 0, wait2
+    assert dq["step34"] == 16 and dq["step35"] == 8, dq
+
+
+def test_the_producer_warpgroup_reduces_dq_step36(cuobjdump):
+    """step36's header says the producer's reducer adds dQ to the accumulator and the consumers meet at a named barrier,
+    not a block-wide one: the dK/dV kernel's block barriers fall to one (the start's; step35: three), and its TMA
+    reductions are compiled once (4 UTMAREDG, one a 32-dim box), where step35 has them twice (in the loop and after it)."""
+    ops = kernel_opcodes(cuobjdump, ("step35", "step36"))
+    old, new = dkdv_kernels(ops["step35"])[1], dkdv_kernels(ops["step36"])[1]
+    text = {s: dkdv_text(cuobjdump, s) for s in ("step35", "step36")}
+    block = {s: sum(bool(re.match(r"BAR\.SYNC\S*\s+0x0\b", t)) for t in ts) for s, ts in text.items()}
+    assert block["step35"] == 3 and block["step36"] == 1, block
+    assert old["UTMAREDG.4D.ADD"] == 8 and new["UTMAREDG.4D.ADD"] == 4, f"UTMAREDG {old['UTMAREDG.4D.ADD']} -> {new['UTMAREDG.4D.ADD']}"
 
 
 @pytest.mark.parametrize("later", [s for s in steps_mod.all_steps() if int(s[4:]) > 22])
