@@ -372,7 +372,9 @@ def backward_note(run: dict) -> str:
 
 
 def backward_markdown_table(run: dict) -> str:
-    rs = backward_rows(run)
+    """The README's table: the run's last step (its "step") and the peers; the console's, every step the run timed."""
+    last = backward_of(run).get("step") if backward_of(run) else None
+    rs = [r for r in backward_rows(run) if not last or not r["impl"].startswith("step") or r["impl"].startswith(last + "_")]
     if not rs:
         return ""
     seqlens = backward_of(run)["seqlens"]
@@ -385,7 +387,10 @@ def backward_markdown_table(run: dict) -> str:
         cells = [_fmt(r["tflops"][n], ".1f") for n in seqlens]
         lines.append(f"| {r['label']} | {' | '.join(cells)} | {_ratios(r['vs_cudnn'], seqlens, seqlens)} |"
                      + (f" {_ratios(r['vs_fa4'], seqlens, seqlens)} |" if with_fa4 else ""))
-    return "\n".join(lines + ["", backward_note(run)])
+    others = sorted({r["impl"].split("_")[0] for r in backward_rows(run) if r["impl"].startswith("step")} - {last})
+    shown = (f" The run also timed {', '.join(others)}: `python -m verify.backward --report FILE` prints every row."
+             if others else "")
+    return "\n".join(lines + ["", backward_note(run) + shown])
 
 
 def backward_console_table(run: dict) -> str:
