@@ -1199,7 +1199,8 @@ __global__ void __launch_bounds__(DKDV_THREADS, 1)
     // came late, and the others waited for it: ncu). The staging tile is read by the previous tile's reduction until
     // the reducer has seen it read (cp.async.bulk.wait_group.read) and said so on stage_free, which every thread waits
     // for (its `uses`-th phase) before writing. Then each thread's fragments, two floats a store,
-    // into the four [64, 32] boxes of the 128-byte swizzle (16-byte chunk c of row r at c ^ r % 8): conflict-free.
+    // into the four [64, 32] boxes of the 128-byte swizzle (16-byte chunk c of row r at c ^ r % 8). Not free of
+    // bank conflicts, as this comment first said: each store takes two wavefronts where one would do (step34).
     auto stage_dq = [&](int uses) {
         if (uses > 0) {
             if (threadIdx.x == REDUCER) cp_async_bulk_wait_group_read<0>(), mbarrier_arrive(t.stage_free);
