@@ -81,6 +81,9 @@ __device__ __forceinline__ void cp_async_bulk_wait_group() {
 // copy reads them. PTX ISA: "Parallel Synchronization and Communication Instructions: membar/fence"
 // (fence.proxy.async).
 __device__ __forceinline__ void fence_proxy_async_shared_cta() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// The same between the proxies' accesses to global memory: a TMA reduction issued after it sees what this thread
+// acquired before it, and what a TMA reduction it waited for wrote is ordered before this thread's later release.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 
 // ---- host side ----
 

@@ -215,7 +215,7 @@ CLAIMS = [
                                               "STL (a store to local memory)": r"STL\b"},
           counterexample=LOCAL_MEMORY_CU, part="all"),
     # The backward's kernels (bwd_*), Part III.
-    Claim("backward_mma_sync", 24, None, part="backward",
+    Claim("backward_mma_sync", 24, 36, part="backward",
           present={"HMMA (the backward's products on the tensor cores, mma.sync)": r"HMMA\.",
                    "LDSM (their fragments from shared memory, ldmatrix)": r"LDSM\."}),
     Claim("dq_accumulated", 25, 32, part="backward",
@@ -776,6 +776,18 @@ def test_the_producer_warpgroup_reduces_dq_step36(cuobjdump):
     block = {s: sum(bool(re.match(r"BAR\.SYNC\S*\s+0x0\b", t)) for t in ts) for s, ts in text.items()}
     assert block["step35"] == 3 and block["step36"] == 1, block
     assert old["UTMAREDG.4D.ADD"] == 8 and new["UTMAREDG.4D.ADD"] == 4, f"UTMAREDG {old['UTMAREDG.4D.ADD']} -> {new['UTMAREDG.4D.ADD']}"
+
+
+def test_deterministic_calls_add_dq_in_turn_step37(cuobjdump):
+    """step37's header says a deterministic call runs the dK/dV kernel with the reducer waiting for its turn, and every
+    other call step36's kernel: bwd_dkdv_kernel<false> compiles to step36's <true>, opcode for opcode; <true> adds the
+    turn's acquire loop (LDG.E.STRONG.GPU, NANOSLEEP) and release (STG.E.STRONG.GPU); step24's dQ kernel is gone."""
+    ops = kernel_opcodes(cuobjdump, ("step36", "step37"))
+    old = dkdv_kernels(ops["step36"])[1]
+    plain, ordered = dkdv_kernels(ops["step37"])
+    assert not apart(plain, old), f"step37's <false> differs from step36's <true>: {apart(plain, old)}"
+    assert ordered["NANOSLEEP"] == 1 and ordered["LDG.E.STRONG.GPU"] >= 1 and ordered["STG.E.STRONG.GPU"] == 1, ordered
+    assert any("bwd_dq_kernel" in n for n in ops["step36"]) and not any("bwd_dq_kernel" in n for n in ops["step37"])
 
 
 @pytest.mark.parametrize("later", [s for s in steps_mod.all_steps() if int(s[4:]) > 22])
