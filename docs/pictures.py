@@ -1928,6 +1928,59 @@ def backward_one_pass(k: Code):
     return fig
 
 
+
+@picture("backward_warp_roles.png")
+def backward_warp_roles(k: Code):
+    slots, tile, keys = k.step("step36", "BWD_SLOTS"), k.step("step36", "BWD_TILE"), k.step("step36", "KEY_TILE")
+    producer_regs, consumer_regs = k.step("step36", "PRODUCER_REGS"), k.step("step36", "CONSUMER_REGS")
+    consumer_threads = k.step("step36", "DKDV_THREADS")
+    half = keys // 2
+    dq_regs = tile * (k.head_dim() // 2) // 128  # a consumer's dQ: its half of the dims, 128 threads
+    fig = plt.figure(figsize=(13, 6.8))
+    fig.suptitle(f"steps 35 and 36: the backward's warp roles, one query tile j ({tile} queries) against the CTA's "
+                 f"{keys} keys, in order (a schedule, not a measurement)", fontsize=12.5)
+    ax = fig.add_axes([0.22, 0.25, 0.76, 0.66])
+    blank(ax, (-0.2, 10.6), (-0.3, 5.2))
+    rows = {"load": 4.4, "stats": 3.6, "reduce": 2.8, "wg1": 1.6, "wg2": 0.6}
+    labels = {"load": "producer warp 0: Q, dO (TMA)", "stats": "producer warp 1: LSE, D",
+              "reduce": "producer warp 2: dQ's reducer", "wg1": f"consumer warpgroup 1: keys 0-{half - 1}",
+              "wg2": f"consumer warpgroup 2: keys {half}-{keys - 1}"}
+    for name, y in rows.items():
+        ax.text(-0.3, y + 0.3, labels[name], ha="right", va="center", fontsize=9)
+    for name in ("wg1", "wg2"):                  # the consumers' tile: their phases in order
+        y = rows[name]
+        box(ax, 0.0, y, 0.3, 0.6, "", C_WAIT)
+        box(ax, 0.3, y, 2.6, 0.6, "S$^T$ = K Q$^T$, dP$^T$ = V dO$^T$", C_COMPUTE, size=8)
+        box(ax, 2.9, y, 1.5, 0.6, "P$^T$, dS$^T$ (ex2)", C_SOFTMAX, size=8)
+        box(ax, 4.4, y, 0.9, 0.6, "dV", C_COMPUTE, size=8)
+        box(ax, 5.45, y, 2.3, 0.6, "dQ = dS K, dK", C_COMPUTE, size=8)
+        box(ax, 6.7, y - 0.28, 1.05, 0.26, "stage dQ", C_TMA, size=7, color="white")
+        box(ax, 7.9, y, 2.6, 0.6, "tile j + 1: S$^T$, dP$^T$ ...", "#fbe3cc", size=8)
+    ax.plot([5.37, 5.37], [0.45, 2.35], color=C_BARRIER, lw=3)
+    ax.text(5.37, 2.45, f"named barrier ({consumer_threads} consumer threads):\ndS$^T$(j) whole in shared memory",
+            ha="center", va="bottom", fontsize=7.5, color=C_BARRIER)
+    box(ax, 0.0, rows["load"], 7.75, 0.6, f"tiles j + 1, j + 2 already in their slots ({slots} slots)", "#f4f4f4", size=8)
+    box(ax, 7.9, rows["load"], 1.2, 0.6, "tile j + 3", C_TMA, size=8, color="white")
+    box(ax, 0.0, rows["stats"], 7.75, 0.6, "", "#f4f4f4")
+    box(ax, 7.9, rows["stats"], 1.2, 0.6, "tile j + 3", C_TMA, size=8, color="white")
+    box(ax, 0.0, rows["reduce"], 7.75, 0.6, "waits for dq_full (dQ(j) staged)", C_WAIT, size=8)
+    box(ax, 7.9, rows["reduce"], 2.3, 0.6, "TMA reduce-add of dQ(j)", C_TMA, size=8, color="white")
+    arrow(ax, (7.75, 1.0), (7.95, 2.8), C_BARRIER, "dq_full", size=7.5, text_offset=(-0.35, 0.15))
+    arrow(ax, (7.8, 2.0), (7.95, 4.4), C_EMPTY, "empty[j % " + str(slots) + "]", size=7.5, text_offset=(-0.55, 0.9))
+    arrow(ax, (10.2, 2.8), (10.45, 2.3), C_EMPTY, "stage_free", size=7.5, text_offset=(0.1, -0.55))
+    ax.text(0.0, -0.2, "full[j % " + str(slots) + "] completed: Q and dO landed, LSE and D stored; the consumers "
+            "start tile j", fontsize=8, va="top", color=C_BARRIER)
+    caption(fig, f"Step35 moved dQ = dS K from behind the next tile's S$^T$ and dP$^T$ to beside dK in its own tile: its "
+            f"{dq_regs} accumulator registers are no longer live beside S$^T$'s and dP$^T$'s, and a consumer fits in "
+            f"{consumer_regs} registers. Step36 then gives warpgroup 0 the errands (setmaxnreg {producer_regs}): warp 0 "
+            f"loads Q and dO up to {slots} tiles ahead, warp 1 the LSE and D, warp 2 adds each staged dQ to the fp32 "
+            "accumulator by TMA. Slots change hands on mbarriers: full (2 TMA arrivals + 32 lanes), empty (every "
+            "consumer thread), dq_full (every consumer thread), stage_free (the reducer, once the TMA unit has read "
+            f"the staging tile). The consumers meet only each other, once a tile, where step35's {consumer_threads} threads met at "
+            "__syncthreads with the copies and the reduction on their path.", y=0.01, width=175)
+    return fig
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python docs/pictures.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="pictures to draw (file names, .png optional; default: all)")
