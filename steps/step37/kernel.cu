@@ -1149,7 +1149,7 @@ __global__ void __launch_bounds__(DKDV_THREADS + WARPGROUP_THREADS, 1)
     // dS^T(j) whole, and runs beside dK; it is staged while dK runs, and its accumulator is free again before the
     // next tile's S^T and dP^T (step32 ran dQ(j - 1) beside them: 32 registers more at the peak):
     //   S^T, dP^T  ->  P^T  ->  dS^T  ->  dV  ->  dS^T stored, barrier  ->  dQ, dK  ->  dQ staged
-    // wgmma's groups complete in order, and each tile commits the same five (dQ's empty in the deterministic build),
+    // wgmma's groups complete in order, and each tile commits the same five,
     // so each wait_group<N> below names one of them. No group is left running from one tile into the next: ptxas
     // cannot follow one across the loop's back edge, and serializes every wgmma if asked to.
     float s[SCORE_BLOCKS][4], dp[SCORE_BLOCKS][4], dq[DIM_BLOCKS / 2][4];

@@ -698,6 +698,12 @@ def dkdv_kernels(opcodes: dict[str, collections.Counter]) -> list[collections.Co
     return [next(c for name, c in opcodes.items() if f"bwd_dkdv_kernelILb{accumulate}E" in name) for accumulate in "01"]
 
 
+def dkdv_text(cuobjdump, step: str) -> list[str]:
+    """The instructions of the dK/dV kernel that accumulates dQ (bwd_dkdv_kernel<true>), as text."""
+    return [i.text for name, code in functions_of(sass_of(cuobjdump, kernel_so(step), "sm_90a")).items()
+            if "bwd_dkdv_kernelILb1E" in name for i in code]
+
+
 def test_the_dkdv_kernel_takes_p_by_one_ffma_and_one_ex2_step30(cuobjdump):
     """step30's header says P^T is one FFMA and one ex2 an element and the masks a branch per warp: in both builds of
     the dK/dV kernel, expf's range reduction (FFMA.RM, one per exponential: 32 in step29) is gone, the exponentials
@@ -729,20 +735,13 @@ def test_the_dq_product_runs_behind_the_next_scores_step32(cuobjdump):
     (HGMMA ...tnspA.tnspB, 8 k-steps) is compiled twice, in the loop and after it for the last tile."""
     ops = kernel_opcodes(cuobjdump, ("step31", "step32"))
     old, new = dkdv_kernels(ops["step31"])[1], dkdv_kernels(ops["step32"])[1]
-    text = {s: [i.text for name, code in functions_of(sass_of(cuobjdump, kernel_so(s), "sm_90a")).items()
-                if "bwd_dkdv_kernelILb1E" in name for i in code] for s in ("step31", "step32")}
+    text = {s: dkdv_text(cuobjdump, s) for s in ("step31", "step32")}
     wait2 = {s: sum(bool(re.match(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x2\b", t)) for t in ts) for s, ts in text.items()}
     dq = {s: sum(bool(re.match(r"HGMMA\.\S+\s+R\d+,\s*gdesc\[\w+\]\.tnspA\.tnspB", t)) for t in ts) for s, ts in text.items()}
     assert wait2["step31"] == 0 and wait2["step32"] >= 1, wait2
     bar = "BAR.SYNC.DEFER_BLOCKING"
     assert new[bar] == old[bar] - 1, f"block barriers {old[bar]} -> {new[bar]}"
     assert dq["step31"] == 8 and dq["step32"] == 16, dq
-
-
-def dkdv_text(cuobjdump, step: str) -> list[str]:
-    """The instructions of the dK/dV kernel that accumulates dQ (bwd_dkdv_kernel<true>), as text."""
-    return [i.text for name, code in functions_of(sass_of(cuobjdump, kernel_so(step), "sm_90a")).items()
-            if "bwd_dkdv_kernelILb1E" in name for i in code]
 
 
 def test_the_dq_staging_stores_pick_their_blocks_step34(cuobjdump):
