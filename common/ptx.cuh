@@ -58,6 +58,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
     ldmatrix_x4_trans(r, smem_u32(smem_row));
 }
 
+// stmatrix (sm_90): the reverse of ldmatrix, four 8x8 bf16 matrices from mma fragments to shared memory. With
+// .trans each is stored transposed: register i's matrix, whose lane l holds (row l/4, cols 2*(l%4), +1), lands
+// with its column c as the 16-byte row at the address lane 8*i + c gives. The backward stores dS this way from
+// the dS^T its warps hold (step38). PTX ISA: "Warp-level matrix store instruction: stmatrix".
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(smem_addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 // D = A.B + D for one 16x8x16 tile: A 16x16 bf16 (row-major, 4 regs), B 16x8 bf16 ("col": k-major,
 // 2 regs), D 16x8 fp32 (4 regs). With g = lane/4, t = lane%4, the fragments are
 //   A: a[0] = (row g,   cols 2t..2t+1)   a[1] = (row g+8, cols 2t..2t+1)

@@ -226,12 +226,17 @@ CLAIMS = [
                    "DEPBAR.LE SB0, 0x1 (cp.async.wait_group 1: this tile's copies waited for, the next one's in flight)":
                    r"DEPBAR\.LE\s+SB0,\s*0x1\b"}),
     Claim("backward_wgmma", 28, None, part="backward",
-          present={"HGMMA.64x64x16 (S^T = K Q^T, dP^T = V dO^T and dQ = dS K on wgmma, operands by descriptor)":
-                   r"HGMMA\.64x64x16\.",
+          present={"HGMMA.64x64x16 or 64x80x16 (S^T = K Q^T, dP^T = V dO^T and dQ on wgmma, operands by descriptor)":
+                   r"HGMMA\.64x(64|80)x16\.",
                    "HGMMA.64x128x16 with A in registers (dV += P^T dO, dK += dS^T Q)":
                    r"HGMMA\.64x128x16\.\S+\s+R\d+,\s*R\d+,",
-                   "gdesc[...].tnspA (dQ = dS K: dS^T read from shared memory transposed)":
+                   "gdesc[...].tnspA (dQ's product: an operand read from shared memory transposed)":
                    r"HGMMA\.\S+\s+R\d+,\s*gdesc\[\w+\]\.tnspA"}),
+    Claim("backward_query_tiles_of_80", 38, None, part="backward",
+          present={"HGMMA.64x80x16 (S^T, dP^T and dQ^T over a tile of 80 queries)": r"HGMMA\.64x80x16\.",
+                   "STSM.16.MT88.4 (stmatrix .trans: dS stored [queries, keys] from dS^T's fragments)":
+                   r"STSM\.16\.MT88\.4\b"},
+          absent={"HGMMA.64x64x16 (a product over 64 queries)": r"HGMMA\.64x64x16\."}),
     Claim("dq_reduced_by_tma", 33, None, part="backward",
           present={"UTMAREDG (cp.reduce.async.bulk.tensor .add: a staged tile of dQ added to the accumulator by TMA)":
                    r"UTMAREDG\b"},
@@ -787,6 +792,24 @@ def test_deterministic_calls_add_dq_in_turn_step37(cuobjdump):
     assert not apart(plain, old), f"step37's <false> differs from step36's <true>: {apart(plain, old)}"
     assert ordered["NANOSLEEP"] == 1 and ordered["LDG.E.STRONG.GPU"] >= 1 and ordered["STG.E.STRONG.GPU"] == 1, ordered
     assert any("bwd_dq_kernel" in n for n in ops["step36"]) and not any("bwd_dq_kernel" in n for n in ops["step37"])
+
+
+def test_the_backward_walks_tiles_of_80_queries_step38(cuobjdump):
+    """step38's header says the dK/dV kernel walks tiles of 80 queries, dQ computed transposed from dS stored by
+    stmatrix .trans: in both builds, the 64x64x16 products (8 S^T, 8 dP^T, 8 dQ) become 64x80x16 ones (the same 24;
+    dQ^T's 8 with K read transposed, .tnspA alone), dV's and dK's k-steps grow from 4 to 5 each, dS's 16 32-bit stores
+    a warp become 5 stmatrix (test_build checks that ptxas serializes no wgmma)."""
+    ops = kernel_opcodes(cuobjdump, ("step37", "step38"))
+    for old, new in zip(dkdv_kernels(ops["step37"]), dkdv_kernels(ops["step38"])):
+        n64 = sum(n for op, n in old.items() if op.startswith("HGMMA.64x64x16"))
+        n80 = sum(n for op, n in new.items() if op.startswith("HGMMA.64x80x16"))
+        n128 = {k: sum(n for op, n in c.items() if op.startswith("HGMMA.64x128x16")) for k, c in (("old", old), ("new", new))}
+        assert n64 == 24 and n80 == 24, f"HGMMA.64x64x16 {n64}, HGMMA.64x80x16 {n80}"
+        assert n128 == {"old": 8, "new": 10}, n128
+        assert old["STSM.16.MT88.4"] == 0 and new["STSM.16.MT88.4"] == 5, f"STSM {old['STSM.16.MT88.4']} -> {new['STSM.16.MT88.4']}"
+    text = dkdv_text(cuobjdump, "step38")
+    dqt = sum(bool(re.match(r"HGMMA\.64x80x16\.\S+\s+R\d+,\s*gdesc\[\w+\]\.tnspA\s*,", t)) for t in text)
+    assert dqt == 8, f"{dqt} HGMMA.64x80x16 with .tnspA alone"
 
 
 @pytest.mark.parametrize("later", [s for s in steps_mod.all_steps() if int(s[4:]) > 22])
