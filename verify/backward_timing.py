@@ -38,8 +38,8 @@ def backward_fn(forward, q, k, v):
 
 def fa4_attention():
     """FlashAttention-4's attention (flash-attn-4, its CuTe DSL kernels: on Hopper its sm90 forward and backward) as
-    forward(q, k, v, causal) on torch's [batch, heads, seqlen, d] layout, or (None, why not). Optional, as FA3 is: never
-    a dependency of a step."""
+    forward(q, k, v, causal, scale) on torch's [batch, heads, seqlen, d] layout, or (None, why not). Optional, as FA3
+    is: never a dependency of a step."""
     try:
         from flash_attn.cute import flash_attn_func
     except ImportError as e:  # not installed
@@ -47,8 +47,8 @@ def fa4_attention():
     except Exception as e:  # installed, but its CUTLASS DSL cannot start here: say what it said
         return None, f"FlashAttention-4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
-    def forward(q, k, v, causal=False):
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    def forward(q, k, v, causal=False, scale=None):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal)
         out = out[0] if isinstance(out, tuple) else out  # (out, lse) in the versions that return both
         return out.transpose(1, 2)
     return forward, None

@@ -144,18 +144,41 @@ def layers_key(model: Model) -> str:
     return "num_hidden_layers" if model.key == "qwen" else "num_layers"
 
 
-def backends(step_mod) -> list:
+def fa4_attention():
+    """FlashAttention-4 (flash-attn-4, optional: verify.backward's) as the drop-in router's attention(q, k, v, scale,
+    causal), or (None, why not). Its causal mask is the bottom-right one: a top-left call with seqlen_q != seqlen_k
+    raises, in one line, rather than run another mask."""
+    from verify.backward_timing import fa4_attention as fa4_of_the_benchmark
+    forward, why = fa4_of_the_benchmark()
+    if forward is None:
+        return None, why
+
+    def attention(q, k, v, scale, causal=False):
+        if causal == "top_left" and q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"FA4's causal mask is bottom-right: a top-left call of {q.shape[-2]} x {k.shape[-2]}")
+        return forward(q, k, v, causal=bool(causal), scale=scale)
+    return attention, "flash-attn-4 (flash_attn.cute.flash_attn_func)"
+
+
+def backends(step_mod, fa4=None) -> list:
     """The rows: SDPA default (the reference), SDPA FLASH (the yardstick of agreement), the step through its strict
-    drop-in (a step without a backward cannot train: its row says so)."""
+    drop-in (a step without a backward cannot train: its row says so), FlashAttention-4 through the same router class
+    (strict: causal, grouped heads and gradients), where it is installed. `fa4`: (attention, where) from fa4_attention()."""
+    import binding  # common/binding (on sys.path through verify.steps): the class every step's drop-in is made of
     from torch.nn.attention import SDPBackend, sdpa_kernel
     step, Backend = step_mod.info["step"], models.Backend
     lacks = [what for what, key in (("backward", "backward"), ("causal masks", "causal"), ("grouped key/value heads", "gqa"))
              if not step_mod.info.get(key)]
+    fa4_fn, fa4_where = fa4 if fa4 is not None else fa4_attention()
+    fa4_limits = binding.SdpaLimits("fa4", archs=("sm_90a",), features=binding.FEATURE_CAUSAL | binding.FEATURE_GQA,
+                                    backward=True)
     return [
         Backend("sdpa_default", "SDPA default", contextlib.nullcontext),
         Backend("sdpa_flash", "SDPA FLASH", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)),
         Backend(step, step, None if lacks else (lambda: step_mod.sdpa(strict=True)),
                 f"not run: {step} has no {' and no '.join(lacks)}" if lacks else ""),
+        Backend("fa4", "FA4", (lambda: binding.SdpaRouter(fa4_fn, fa4_limits, strict=True, name="fa4.sdpa")) if fa4_fn else None,
+                "" if fa4_fn else f"not run: {fa4_where}", fa4_where if fa4_fn else ""),
     ]
 
 
