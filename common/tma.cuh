@@ -64,13 +64,6 @@ __device__ __forceinline__ void cp_reduce_async_bulk_tensor_4d_add(const CUtenso
                  :: "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(src))
                  : "memory");
 }
-// Add `bytes` (a multiple of 16) of fp32 from shared memory at `src` to global memory at `dst`, element by element, in
-// L2: the same as the tensor form above for a flat run of floats, with no map (the caller lays both out alike).
-// PTX ISA: "cp.reduce.async.bulk" (.add.f32).
-__device__ __forceinline__ void cp_reduce_async_bulk_add_f32(float* dst, const float* src, uint32_t bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                 :: "l"(reinterpret_cast<uint64_t>(dst)), "r"(smem_u32(src)), "r"(bytes) : "memory");
-}
 // Close the bulk copies issued so far by this thread into a group. PTX ISA: "cp.async.bulk.commit_group".
 __device__ __forceinline__ void cp_async_bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Wait until at most N of this thread's bulk groups still READ their shared-memory source (after which the

@@ -67,12 +67,9 @@ class Step:
         # Exported by the steps that add dQ up in a fixed order when asked for the same bits: they take the accumulator
         # for deterministic calls too, with room after it for this many ints (the query tiles' turn counters).
         self.bwd_dq_turns = getattr(lib, "flashladder_bwd_dq_turns", None)
-        # Exported by the steps whose accumulator is laid out by query tiles, not as q: its size in floats (else q's).
-        self.bwd_dq_accum_floats = getattr(lib, "flashladder_bwd_dq_accum_floats", None)
-        for fn in (self.bwd_dq_turns, self.bwd_dq_accum_floats):
-            if fn is not None:
-                fn.restype = ctypes.c_int64
-                fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int)
+        if self.bwd_dq_turns is not None:
+            self.bwd_dq_turns.restype = ctypes.c_int64
+            self.bwd_dq_turns.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int)
         self.limits = SdpaLimits(step, self.seqlen_multiple, tuple(self.archs), self.smem_bytes, features=self.features,
                                  backward=self.has_backward)
         self.fwd, self.fwd_out = self.register_ops()
@@ -214,8 +211,7 @@ class Step:
             stream = torch.cuda.current_stream(q.device).cuda_stream
             delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)  # D = rowsum(dO * O) - dLSE
             turns = self.bwd_dq_turns(*q.shape[:3]) if deterministic and self.bwd_dq_turns is not None else 0
-            floats = self.bwd_dq_accum_floats(*q.shape[:3]) if self.bwd_dq_accum_floats is not None else q.numel()
-            dq_accum = (torch.empty(floats + turns, dtype=torch.float32, device=q.device)  # zeroed by the library
+            dq_accum = (torch.empty(q.numel() + turns, dtype=torch.float32, device=q.device)  # zeroed by the library
                         if self.bwd_accumulates_dq and (not deterministic or self.bwd_dq_turns is not None) else None)
             params = abi.make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale, causal,
                                          dq_accum, deterministic)
