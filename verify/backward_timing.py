@@ -48,7 +48,8 @@ def fa4_attention():
         return None, f"FlashAttention-4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
     def forward(q, k, v, causal=False, scale=None):
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal)
+        scaled = {} if scale is None else {"softmax_scale": scale}  # FA4's default: 1 / sqrt(d)
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, **scaled)
         out = out[0] if isinstance(out, tuple) else out  # (out, lse) in the versions that return both
         return out.transpose(1, 2)
     return forward, None
