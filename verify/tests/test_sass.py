@@ -698,15 +698,22 @@ def test_the_work_tiles_divide_by_multiplying_and_the_epilogue_takes_the_mufu(cu
         assert new["MUFU.RCP"] == 2, f"{name}: MUFU.RCP {old['MUFU.RCP']} -> {new['MUFU.RCP']}"
 
 
+def is_dkdv(name: str, first: str) -> bool:
+    """Whether `name` is the dK/dV kernel's build with first template argument `first` ("0" or "1") and, where it has a
+    second (step39's FROM_LAST), that one false: bwd_dkdv_kernel<first> or <first, false>."""
+    return f"bwd_dkdv_kernelILb{first}EE" in name or f"bwd_dkdv_kernelILb{first}ELb0EE" in name
+
+
 def dkdv_kernels(opcodes: dict[str, collections.Counter]) -> list[collections.Counter]:
-    """The dK/dV kernel's two builds: without and with the dQ accumulation (bwd_dkdv_kernel<false>, <true>)."""
-    return [next(c for name, c in opcodes.items() if f"bwd_dkdv_kernelILb{accumulate}E" in name) for accumulate in "01"]
+    """The dK/dV kernel's two builds: without and with the dQ accumulation (bwd_dkdv_kernel<false>, <true>; from
+    step37 on <true> is the deterministic build, from step39 on <true, false> its dense one)."""
+    return [next(c for name, c in opcodes.items() if is_dkdv(name, first)) for first in "01"]
 
 
 def dkdv_text(cuobjdump, step: str) -> list[str]:
     """The instructions of the dK/dV kernel that accumulates dQ (bwd_dkdv_kernel<true>), as text."""
     return [i.text for name, code in functions_of(sass_of(cuobjdump, kernel_so(step), "sm_90a")).items()
-            if "bwd_dkdv_kernelILb1E" in name for i in code]
+            if is_dkdv(name, "1") for i in code]
 
 
 def test_the_dkdv_kernel_takes_p_by_one_ffma_and_one_ex2_step30(cuobjdump):
@@ -810,6 +817,18 @@ def test_the_backward_walks_tiles_of_80_queries_step38(cuobjdump):
     text = dkdv_text(cuobjdump, "step38")
     dqt = sum(bool(re.match(r"HGMMA\.64x80x16\.\S+\s+R\d+,\s*gdesc\[\w+\]\.tnspA\s*,", t)) for t in text)
     assert dqt == 8, f"{dqt} HGMMA.64x80x16 with .tnspA alone"
+
+
+def test_causal_deterministic_calls_take_turns_from_the_last_key_tile_step39(cuobjdump):
+    """step39's header says only deterministic causal calls change, in a third build (FROM_LAST): step39's
+    bwd_dkdv_kernel<false, false> and <true, false> compile to step38's <false> and <true>, opcode for opcode, and
+    <true, true> has the turn's acquire loop and release as <true> does."""
+    ops = kernel_opcodes(cuobjdump, ("step38", "step39"))
+    for old, new in zip(dkdv_kernels(ops["step38"]), dkdv_kernels(ops["step39"])):
+        assert not apart(old, new), f"step39's build differs from step38's: {apart(old, new)}"
+    from_last = [c for name, c in ops["step39"].items() if "bwd_dkdv_kernelILb1ELb1EE" in name]
+    assert len(from_last) == 1, [name for name in ops["step39"] if "dkdv" in name]
+    assert from_last[0]["NANOSLEEP"] == 1 and from_last[0]["STG.E.STRONG.GPU"] == 1, from_last[0]
 
 
 @pytest.mark.parametrize("later", [s for s in steps_mod.all_steps() if int(s[4:]) > 22])
