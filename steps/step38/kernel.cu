@@ -12,7 +12,7 @@
 // 35 dQ beside dK -> 36 the backward's warp roles -> 37 dQ added in turn -> 38 tiles of 80 queries.
 //
 // WHAT CHANGED FROM STEP37
-//   The dK/dV kernel walks query tiles of 80 (BWD_TILE), not 64 (FlashAttention-3's and -4's dense tile): S^T and dP^T
+//   The dK/dV kernel walks query tiles of 80 (BWD_TILE: FlashAttention-3's and -4's dense tile), not 64: S^T and dP^T
 //   are m64n80 wgmmas, dV and dK take 5 k-steps. 80 is no multiple of wgmma's M, so dQ is computed transposed,
 //   dQ^T = K^T dS^T (64 dims x 80 queries a warpgroup), with dS stored [queries, keys] by stmatrix .trans (5 stores
 //   where step37 made 16) and staged for TMA one float a store. Two slots of Q and dO fit, not three. P^T is rounded
@@ -881,8 +881,9 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
 //   bwd_dkdv_kernel     one CTA per KEY_TILE keys of one K/V head: a producer warpgroup (the loads, the LSE and D, dQ's
 //                       reductions) and two consumer warpgroups of 64 keys, which for each query head that reads the
 //                       keys and each tile of BWD_TILE queries that sees one compute S^T, dP^T, P^T, dS^T, dV, dK
-//                       and dQ^T = K^T dS^T on wgmma; each tile's dQ staged in shared memory and added to the accumulator
-//                       by TMA. ORDERED (deterministic): the CTAs add a query tile's dQ in the order of their keys.
+//                       and dQ^T = K^T dS^T on wgmma; each tile's dQ staged in shared memory and added to the
+//                       accumulator by TMA. ORDERED (deterministic): the CTAs add a query tile's dQ in the order of
+//                       their keys.
 //   bwd_dq_convert_kernel  dQ = scale * accumulator, rounded to bf16
 namespace {
 
@@ -1097,7 +1098,7 @@ __global__ void __launch_bounds__(DKDV_THREADS + WARPGROUP_THREADS, 1)
                 if (j >= BWD_SLOTS) mbarrier_wait_parity(&t.empty[j % BWD_SLOTS], (j / BWD_SLOTS - 1) % 2);
                 issue(j, j % BWD_SLOTS);
             }
-        } else if (pwarp == 1) {                         // the LSE and D, two rows a lane
+        } else if (pwarp == 1) {                         // the LSE and D, up to three rows a lane
             for (int j = 0; j < walk; ++j) {
                 const int slot = j % BWD_SLOTS;
                 if (j >= BWD_SLOTS) mbarrier_wait_parity(&t.empty[slot], (j / BWD_SLOTS - 1) % 2);
@@ -1161,7 +1162,7 @@ __global__ void __launch_bounds__(DKDV_THREADS + WARPGROUP_THREADS, 1)
         // one half of the head dim (K's half read M-major: M = 64 dims) against the tile's 80 queries (N = 80), 8
         // k-steps of 16 keys; dS read K-major, as Q is in S^T = K Q^T (keys 0-63 in its first half, 64-127 next).
         const uint64_t ds_buffer = wgmma_desc_advance(ds_desc, j % 2 * DS_TILE_ELEMS * sizeof(__nv_bfloat16));
-        wgmma_fence();                                   // dQ's registers were last read by the stores (ptxas asks here)
+        wgmma_fence();                                   // dQ's registers last read by the stores (ptxas asks here)
 #pragma unroll
         for (int kk = 0; kk < KEY_TILE / 16; ++kk) {
             const uint32_t half = kk / KSTEPS_PER_HALF, kstep = kk % KSTEPS_PER_HALF * KSTEP_BYTES;
@@ -1192,8 +1193,8 @@ __global__ void __launch_bounds__(DKDV_THREADS + WARPGROUP_THREADS, 1)
     };
     for (int j = 0; j < walk; ++j) {
         const int slot = j % BWD_SLOTS, q0 = q0_of(j);
-        // The next tile's copies go out first: its slot last held tile j - 2, whose products every warp had waited
-        // for before the barrier that ended tile j - 1. Its LSE and D into registers, stored before this tile's barrier.
+        // Tile j's slot was refilled by the producer once every consumer thread had said on `empty` that it was done
+        // with tile j - 2 there (two slots: tile j + 1 lands in the other while tile j's products run).
         if (j == 0) mbarrier_wait_parity(t.kv_full, 0);  // K and V have landed
         mbarrier_wait_parity(&t.full[slot], j / BWD_SLOTS % 2);  // tile j has: the slot's (j / 2)-th fill
         const uint32_t slot_bytes = slot * SLOT_BYTES;

@@ -14,9 +14,9 @@
 //
 // WHAT CHANGED FROM STEP38
 //   With deterministic=True and a causal mask, the CTAs add a query tile's dQ from the last key tile that sees it down
-//   to key tile 0, where step37 went from 0 up (dense calls keep that order). Each CTA starts its causal walk at its
-//   diagonal, where it is the last key tile that sees the query tile: its turn comes at once, and at each later tile
-//   the CTAs of the keys after it, which started there, have gone by. So that a CTA only ever waits for CTAs that
+//   to key tile 0, where step38 (step37's order) went from 0 up; dense calls keep it. Each CTA starts its causal walk
+//   at its diagonal, where it is the last key tile that sees the query tile: its turn comes at once, and at each later
+//   tile the CTAs of the keys after it, which started there, have gone by. So that a CTA only ever waits for CTAs that
 //   started before it, the grid's x runs backwards in these calls (key_tile_of): CTAs start in blockIdx order.
 // WHY: step38's deterministic causal backward ran at 0.61-0.69x SDPA cuDNN's (non-deterministic) backward, its dense
 //   one at 0.94-1.02x (results/h200/backward-2026-12-04T19-36-10Z.json): in a causal call CTA n waited at its diagonal
@@ -26,7 +26,7 @@
 //   but dense 0.79-0.83x, CTAs waiting for CTAs not yet started:
 //   results/h200/2026-12-04-step39/first_build_backward_bench.log.)
 // MEASURED: deterministic causal 434.3 / 500.2 / 522.8 TFLOP/s at 4K / 8K / 16K, 1.62 / 1.60 / 1.47x step38's, 0.99 /
-//   1.03 / 1.02x SDPA cuDNN's backward; deterministic GQA 32/8 (causal) 1.33-1.40x; the rest 0.99-1.03x step38's
+//   1.03 / 1.02x SDPA cuDNN's backward; deterministic GQA 32/8 (causal) 1.33-1.40x; the rest 0.98-1.03x step38's
 //   (results/h200/backward-2026-12-04T20-13-12Z.json).
 // CHECKED: every backward check, the determinism test now in both causal corners with more keys than queries and
 //   fewer; compute-sanitizer memcheck and racecheck clean (results/h200/2026-12-04-step39/).
@@ -882,8 +882,9 @@ FLASHLADDER_EXPORT int flashladder_fwd(const FwdParams* params, cudaStream_t str
 //   bwd_dkdv_kernel     one CTA per KEY_TILE keys of one K/V head: a producer warpgroup (the loads, the LSE and D, dQ's
 //                       reductions) and two consumer warpgroups of 64 keys, which for each query head that reads the
 //                       keys and each tile of BWD_TILE queries that sees one compute S^T, dP^T, P^T, dS^T, dV, dK
-//                       and dQ^T = K^T dS^T on wgmma; each tile's dQ staged in shared memory and added to the accumulator
-//                       by TMA. ORDERED (deterministic): the CTAs add a query tile's dQ in the order of their keys.
+//                       and dQ^T = K^T dS^T on wgmma; each tile's dQ staged in shared memory and added to the
+//                       accumulator by TMA. ORDERED (deterministic): the CTAs add a query tile's dQ in a fixed order
+//                       of their keys (causal: from the last key tile down, FROM_LAST).
 //   bwd_dq_convert_kernel  dQ = scale * accumulator, rounded to bf16
 namespace {
 
@@ -980,10 +981,12 @@ __device__ void store_rows(void* base, const int64_t stride[3], int b, int h, in
 //   dense: from key tile 0 up (step37's): key tile n waits for the counter to read n, adds, sets it to n + 1;
 //   causal: from the last down: key tile n waits for last - n. Each CTA starts its walk at its diagonal, where it is
 //   the last key tile that sees the query tile: its turn comes at once, and at each later tile the CTAs of the keys
-//   after it, which started there, have gone by. (From key tile 0 up, CTA n waited at its diagonal for n others.)
+//   after it, which started there, have gone by. (From key tile 0 up, CTA n waited at its diagonal for n others.) Key
+//   tiles that query 0 already sees whole (bottom-right, more keys than queries) all start at tile 0 and take turns.
 // A CTA may only wait for CTAs that started before it (else, with more CTAs than fit at once, every resident one could
-// wait for one that cannot start), and CTAs start in the order of blockIdx.x: so the causal order runs the grid's x
-// backwards, key tile gridDim.x - 1 - blockIdx.x. FROM_LAST, a template parameter (the kernel's third build): decided
+// wait for one that cannot start), and CTAs start in the order of blockIdx.x (what the hardware does, not a promise of
+// CUDA's; step37's order leaned on it too): so the causal order runs the grid's x backwards, key tile
+// gridDim.x - 1 - blockIdx.x. FROM_LAST, a template parameter (the kernel's third build): decided
 // at run time, the key tile costs the consumers registers they do not have (ptxas spills, and serializes the wgmmas).
 template <bool FROM_LAST>
 __device__ int key_tile_of() {
@@ -1116,7 +1119,7 @@ __global__ void __launch_bounds__(DKDV_THREADS + WARPGROUP_THREADS, 1)
                 if (j >= BWD_SLOTS) mbarrier_wait_parity(&t.empty[j % BWD_SLOTS], (j / BWD_SLOTS - 1) % 2);
                 issue(j, j % BWD_SLOTS);
             }
-        } else if (pwarp == 1) {                         // the LSE and D, two rows a lane
+        } else if (pwarp == 1) {                         // the LSE and D, up to three rows a lane
             for (int j = 0; j < walk; ++j) {
                 const int slot = j % BWD_SLOTS;
                 if (j >= BWD_SLOTS) mbarrier_wait_parity(&t.empty[slot], (j / BWD_SLOTS - 1) % 2);
@@ -1181,7 +1184,7 @@ __global__ void __launch_bounds__(DKDV_THREADS + WARPGROUP_THREADS, 1)
         // one half of the head dim (K's half read M-major: M = 64 dims) against the tile's 80 queries (N = 80), 8
         // k-steps of 16 keys; dS read K-major, as Q is in S^T = K Q^T (keys 0-63 in its first half, 64-127 next).
         const uint64_t ds_buffer = wgmma_desc_advance(ds_desc, j % 2 * DS_TILE_ELEMS * sizeof(__nv_bfloat16));
-        wgmma_fence();                                   // dQ's registers were last read by the stores (ptxas asks here)
+        wgmma_fence();                                   // dQ's registers last read by the stores (ptxas asks here)
 #pragma unroll
         for (int kk = 0; kk < KEY_TILE / 16; ++kk) {
             const uint32_t half = kk / KSTEPS_PER_HALF, kstep = kk % KSTEPS_PER_HALF * KSTEP_BYTES;
@@ -1212,8 +1215,8 @@ __global__ void __launch_bounds__(DKDV_THREADS + WARPGROUP_THREADS, 1)
     };
     for (int j = 0; j < walk; ++j) {
         const int slot = j % BWD_SLOTS, q0 = q0_of(j);
-        // The next tile's copies go out first: its slot last held tile j - 2, whose products every warp had waited
-        // for before the barrier that ended tile j - 1. Its LSE and D into registers, stored before this tile's barrier.
+        // Tile j's slot was refilled by the producer once every consumer thread had said on `empty` that it was done
+        // with tile j - 2 there (two slots: tile j + 1 lands in the other while tile j's products run).
         if (j == 0) mbarrier_wait_parity(t.kv_full, 0);  // K and V have landed
         mbarrier_wait_parity(&t.full[slot], j / BWD_SLOTS % 2);  // tile j has: the slot's (j / 2)-th fill
         const uint32_t slot_bytes = slot * SLOT_BYTES;
