@@ -16,8 +16,7 @@
 //   are m64n80 wgmmas, dV and dK take 5 k-steps. 80 is no multiple of wgmma's M, so dQ is computed transposed,
 //   dQ^T = K^T dS^T (64 dims x 80 queries a warpgroup), with dS stored [queries, keys] by stmatrix .trans (5 stores
 //   where step37 made 16) and staged for TMA one float a store. Two slots of Q and dO fit, not three. P^T is rounded
-//   to bf16 once dS^T is made, not while dP^T runs: 20 registers fewer at the peak, where ptxas else serializes the
-//   wgmmas.
+//   to bf16 after dS^T is made: 20 registers fewer at the peak, where ptxas else serializes the wgmmas.
 // WHY: at N = 8K step36's dK/dV kernel ran 1.19G instructions and 7.89M cycles
 //   (results/h200/2026-12-04-step36/ncu_details_step36.txt) where FlashAttention-4's, with 80-query tiles and the
 //   same five products, ran 802M and 6.78M (results/h200/2026-12-04-fa4-ncu/ncu_details_fa4_bwd.txt).

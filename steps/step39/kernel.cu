@@ -21,10 +21,8 @@
 // WHY: step38's deterministic causal backward ran at 0.61-0.69x SDPA cuDNN's (non-deterministic) backward, its dense
 //   one at 0.94-1.02x (results/h200/backward-2026-12-04T19-36-10Z.json): in a causal call CTA n waited at its diagonal
 //   for the n CTAs before it to walk down to it.
-// PREDICTION: deterministic causal close to the non-deterministic causal speed; everything else unchanged. (A first
-//   build ran every deterministic call from the last key tile down, the grid not reversed: causal 1.01-1.03x cuDNN,
-//   but dense 0.79-0.83x, CTAs waiting for CTAs not yet started:
-//   results/h200/2026-12-04-step39/first_build_backward_bench.log.)
+// PREDICTION: deterministic causal close to the non-deterministic causal speed; everything else unchanged. (Without
+//   the reversed grid, dense fell to 0.79-0.83x cuDNN: results/h200/2026-12-04-step39/first_build_backward_bench.log.)
 // MEASURED: deterministic causal 434.3 / 500.2 / 522.8 TFLOP/s at 4K / 8K / 16K, 1.62 / 1.60 / 1.47x step38's, 0.99 /
 //   1.03 / 1.02x SDPA cuDNN's backward; deterministic GQA 32/8 (causal) 1.33-1.40x; the rest 0.98-1.03x step38's
 //   (results/h200/backward-2026-12-04T20-13-12Z.json).
