@@ -201,10 +201,11 @@ def agreement(out, ref) -> dict:
 
 
 def counts_of(ctx) -> dict:
-    """What a drop-in router decided (routed, fallbacks by reason); {} for the other backends' contexts."""
+    """What a drop-in router decided (routed, fallbacks by reason); {} for the other backends' contexts. `routed` counts
+    the calls routed again in a checkpoint's recompute too (binding.checkpoint: SdpaRouter.recomputed)."""
     if not hasattr(ctx, "routed"):
         return {}
-    return {"routed": ctx.routed, "fallbacks": dict(ctx.fallbacks)}
+    return {"routed": ctx.routed + getattr(ctx, "recomputed", 0), "fallbacks": dict(ctx.fallbacks)}
 
 
 def first_line(e: BaseException) -> str:

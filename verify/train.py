@@ -12,8 +12,8 @@ Two models, each with seeded random weights made on the GPU in bf16 (MODELS):
   * wan: diffusers' WanTransformer3DModel with the Wan2.1-T2V-1.3B configuration (the capstone's); a step: the
     denoiser on random latents of --grid (32760 tokens) and text states, the mean squared error against a random
     target. Without gradient checkpointing (an H200 holds the activations): with --checkpointing, each block's forward
-    runs again in the backward, where the drop-in, a torch function mode, is not active, so it leaves those calls to
-    torch (binding.CHECKPOINTED) and the step's strict row fails, saying so.
+    runs again in the backward, through binding.checkpoint, which gives the recompute the active drop-in's contexts,
+    so that a step's calls go to it there too (torch's own checkpoint would leave them to torch: binding.CHECKPOINTED).
 Each step: the loss, `loss.backward()` and a fused AdamW step, with each attention backend: SDPA's default, SDPA
 forced to FLASH (the agreement yardstick), and the final step through its SDPA drop-in (`with stepNN.sdpa(strict=True):`:
 every attention call must go to the step, its backward included, or the row fails). Each row starts from the same
@@ -89,11 +89,12 @@ def make_batch(config: dict, tokens: int, device, seed: int = SEED + 1) -> dict:
 
 def build_wan(config: dict, device, seed: int = SEED, checkpointing: bool = False):
     """The capstone's Wan model (models.build_transformer: bf16 but what diffusers keeps in float32) made trainable:
-    training mode, gradients on; gradient checkpointing where asked (the drop-in then leaves the attention calls that
-    need gradients to torch: binding.CHECKPOINTED says why, and a strict row fails)."""
+    training mode, gradients on; gradient checkpointing where asked, by binding.checkpoint: under a drop-in its attention
+    calls that need gradients go to the step in the forward and in the recompute (SdpaRouter.checkpoint_contexts)."""
+    import binding  # common/binding (on sys.path through verify.steps)
     model = models.build_transformer(config, device, seed).train().requires_grad_(True)
     if checkpointing:
-        model.enable_gradient_checkpointing()
+        model.enable_gradient_checkpointing(lambda module, *args: binding.checkpoint(module.__call__, *args))
     return model
 
 
@@ -392,7 +393,7 @@ def make_parser():
                     help=f"Wan: the latent grid (default: {'x'.join(map(str, GRID))}, 32760 tokens)")
     ap.add_argument("--layers", type=at_least(1), help="layers of each model (default: its configuration's)")
     ap.add_argument("--checkpointing", action="store_true",
-                    help="Wan: gradient checkpointing on (the step's row then fails: the drop-in cannot see the recompute)")
+                    help="Wan: gradient checkpointing on (each block's forward again in the backward, through the drop-in)")
     ap.add_argument("--iters", type=at_least(1), default=DEFAULTS["iters"],
                     help="timed steps per backend; the median is reported (default: %(default)s)")
     ap.add_argument("--warmup", type=at_least(0), default=DEFAULTS["warmup"],

@@ -59,6 +59,7 @@ from .router import (
     SdpaLimits,
     SdpaRouter,
     TensorMeta,
+    checkpoint,
     constant,
     describe,
     route_reason,
@@ -74,6 +75,6 @@ __all__ = [
     "no_cuda_reason", "runs_on",
     "CHECKPOINTED", "SDPA_PARAMETERS", "CausalMask", "NotRouted", "SdpaLimits", "SdpaRouter", "TensorMeta", "constant",
     "describe",
-    "route_reason", "sdpa_arguments",
+    "route_reason", "sdpa_arguments", "checkpoint",
     "Step", "bind_step", "output_like",
 ]

@@ -14,6 +14,7 @@ It reuses the checks the step's op makes (check_inputs, check_scale, check_devic
 metadata, so the router and the op cannot disagree.
 """
 import collections
+import contextlib
 import math
 import numbers
 import operator
@@ -129,7 +130,8 @@ def _reason(error: Exception, step: str) -> str:
 
 
 CHECKPOINTED = ("gradients are needed inside activation checkpointing (saved-tensor hooks are active): its recompute in "
-                "the backward would not reach the drop-in, a torch function mode, so the call stays with torch")
+                "the backward would not reach the drop-in, a torch function mode, so the call stays with torch (give "
+                "the checkpoint the router's contexts: router.checkpoint)")
 
 
 def route_reason(call: Optional[dict], limits: SdpaLimits, grad_enabled: bool,
@@ -224,6 +226,27 @@ def saved_tensor_hooks_active() -> bool:
     return top is not None and not torch.compiler.is_compiling() and top(False) is not None
 
 
+# The routers (by key) whose checkpointed regions are recomputed under a router of the same key: the checkpoint was
+# given router.checkpoint_contexts. Per thread, as the torch function modes are: the recompute runs in the autograd
+# engine's thread, and enters its own there.
+_recomputed = threading.local()
+
+
+def _recompute_routed(key: str) -> bool:
+    return key in getattr(_recomputed, "keys", ())
+
+
+@contextlib.contextmanager
+def _routes_its_recompute(key: str):
+    """Inside: checkpointed calls of the router `key` are routed, since the recompute will be too."""
+    keys = _recomputed.__dict__.setdefault("keys", [])
+    keys.append(key)
+    try:
+        yield
+    finally:
+        keys.remove(key)
+
+
 def _decide(key: str, described: Optional[tuple], grad_enabled: bool, checkpointed: bool = False) -> Optional[str]:
     """route_reason for the router `key`, counted in the innermost active router of that key; strict raises.
 
@@ -241,6 +264,19 @@ def _decide(key: str, described: Optional[tuple], grad_enabled: bool, checkpoint
     if reason is not None and strict:
         raise NotRouted(f"{name}(strict=True): a scaled_dot_product_attention call would fall back to torch: {reason}")
     return reason
+
+
+def checkpoint(function, *args, **kwargs):
+    """torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs) with the contexts of the innermost
+    SDPA drop-in active in this thread (SdpaRouter.checkpoint): the region's SDPA calls that need gradients go to the
+    step in the forward and in the recompute. Without an active drop-in, torch's checkpoint as it is. A model's
+    checkpointing function can call it whichever drop-in a step is run under, e.g. diffusers':
+    model.enable_gradient_checkpointing(lambda module, *args: checkpoint(module.__call__, *args))."""
+    routers = _active_routers()
+    if routers:
+        return routers[-1].checkpoint(function, *args, **kwargs)
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    return torch_checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 class SdpaRouter(TorchFunctionMode):
@@ -263,6 +299,7 @@ class SdpaRouter(TorchFunctionMode):
         self.name = name or f"flashladder.{limits.step}.sdpa"
         self.routed = 0
         self.fallbacks = collections.Counter()
+        self.recomputed = 0  # calls routed again in a checkpoint's recompute (checkpoint_contexts), not in `routed`
         # What torch.compile reads of the router while tracing (and guards on: a router that differs in any of these
         # recompiles the model) is this key and `attention`: both the same for every router of one step and
         # strictness, so that a new `with step.sdpa():` around a compiled model does not recompile it.
@@ -284,6 +321,33 @@ class SdpaRouter(TorchFunctionMode):
     def __repr__(self):
         return f"<{self.name}(strict={self.strict}): {self.routed} routed, {sum(self.fallbacks.values())} fell back>"
 
+    # ---- activation checkpointing ----
+    def checkpoint_contexts(self):
+        """torch.utils.checkpoint's context_fn (non-reentrant: use_reentrant=False): the region's forward routes its SDPA
+        calls that need gradients, and its recompute in the backward, where this router is not active (torch function
+        modes are per thread, and the backward runs in autograd's), runs under a router of the same step and settings,
+        which routes them the same way. Without it such calls stay with torch (CHECKPOINTED). E.g. transformers:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+        "context_fn": router.checkpoint_contexts})."""
+        return _routes_its_recompute(self.key), self._recompute()
+
+    @contextlib.contextmanager
+    def _recompute(self):
+        again = SdpaRouter(self.attention, self.limits, self.strict, self.name)
+        try:
+            with _routes_its_recompute(self.key), again:
+                yield
+        finally:  # torch stops a recompute early by raising through its context (checkpoint's early_stop)
+            self.recomputed += again.routed
+            self.fallbacks.update(again.fallbacks)
+
+    def checkpoint(self, function, *args, **kwargs):
+        """torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=self.checkpoint_contexts,
+        **kwargs): a checkpointed region whose SDPA calls go to the step in the forward and in the recompute. E.g.
+        diffusers: model.enable_gradient_checkpointing(lambda module, *args: router.checkpoint(module.__call__, *args))."""
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(function, *args, use_reentrant=False, context_fn=self.checkpoint_contexts, **kwargs)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not torch.nn.functional.scaled_dot_product_attention:
@@ -294,7 +358,8 @@ class SdpaRouter(TorchFunctionMode):
             return func(*args, **kwargs)  # (inside this method the mode is off: torch runs the call as it is)
         call = sdpa_arguments(args, kwargs)
         described = None if call is None else tuple((name, describe(value)) for name, value in call.items())
-        if _decide(self.key, described, torch.is_grad_enabled(), saved_tensor_hooks_active()) is not None:
+        checkpointed = saved_tensor_hooks_active() and not _recompute_routed(self.key)
+        if _decide(self.key, described, torch.is_grad_enabled(), checkpointed) is not None:
             return func(*args, **kwargs)
         scale, mask = call["scale"], describe(call["attn_mask"])
         causal = mask.alignment if isinstance(mask, CausalMask) else "top_left" if call["is_causal"] else False

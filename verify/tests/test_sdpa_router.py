@@ -867,3 +867,40 @@ def test_inside_activation_checkpointing_a_call_that_needs_gradients_stays_with_
     with router(strict=True, attention=plain_attention, limits=limits), pytest.raises(binding.NotRouted) as e:
         checkpoint(block, q, k, v, use_reentrant=False)
     assert binding.CHECKPOINTED in str(e.value)
+
+
+def test_a_checkpoint_given_the_router_s_contexts_routes_its_recompute_too():
+    """router.checkpoint (torch.utils.checkpoint with context_fn=router.checkpoint_contexts): the call that needs
+    gradients is routed in the forward and again in the recompute, and the gradients are those of the same model
+    without checkpointing; transformers' way (the context_fn in checkpoint's kwargs) does the same. Without the
+    contexts the router still leaves the call to torch (the test above)."""
+    from torch.utils.checkpoint import checkpoint
+    limits = CPU_LIMITS._replace(step="cpu_backward_stand_in", backward=True)
+    ran = []
+
+    def counted(q, k, v, scale, causal=False):
+        ran.append(torch.is_grad_enabled())
+        return plain_attention(q, k, v, scale, causal)
+    q, k, v = cpu_qkv(n=16)
+
+    def block(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v) * 2
+
+    def grads(run):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        run(*leaves).float().square().sum().backward()
+        return [t.grad for t in leaves]
+    with router(attention=counted, limits=limits) as plain:
+        want = grads(block)
+    assert plain.routed == 1 and ran == [True]
+    for how in ("router.checkpoint", "context_fn"):
+        ran.clear()
+        with router(attention=counted, limits=limits) as r:
+            got = grads((lambda *a: r.checkpoint(block, *a)) if how == "router.checkpoint" else
+                        (lambda *a: checkpoint(block, *a, use_reentrant=False, context_fn=r.checkpoint_contexts)))
+        assert (r.routed, r.recomputed, dict(r.fallbacks)) == (1, 1, {}), (how, r)
+        assert ran == [True, True], how  # the forward, then the recompute, both through the step
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), how
+    with router(strict=True, attention=counted, limits=limits) as r:  # strict: nothing falls back, nothing raises
+        grads(lambda *a: r.checkpoint(block, *a))
+    assert r.routed == r.recomputed == 1
