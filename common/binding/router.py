@@ -326,10 +326,12 @@ class SdpaRouter(TorchFunctionMode):
         """torch.utils.checkpoint's context_fn (non-reentrant: use_reentrant=False): the region's forward routes its SDPA
         calls that need gradients, and its recompute in the backward, where this router is not active (torch function
         modes are per thread, and the backward runs in autograd's), runs under a router of the same step and settings,
-        which routes them the same way. Without it such calls stay with torch (CHECKPOINTED). E.g. transformers:
+        which routes them the same way (counted in `recomputed` of the router of that key active in the forward). Without
+        it such calls stay with torch (CHECKPOINTED). E.g. transformers:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
         "context_fn": router.checkpoint_contexts})."""
-        return _routes_its_recompute(self.key), self._recompute()
+        owner = next((r for r in reversed(_active_routers()) if r.key == self.key), self)  # counts the recompute
+        return _routes_its_recompute(self.key), owner._recompute()
 
     @contextlib.contextmanager
     def _recompute(self):

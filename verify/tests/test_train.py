@@ -68,6 +68,31 @@ def test_a_training_step_through_the_drop_in_agrees_with_sdpa(transformers):
     assert len(step["times_ms"]) == 2 and len(logs) == 2
 
 
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
+def test_transformers_checkpointing_given_the_router_s_contexts_routes_the_recompute(transformers):
+    """transformers' gradient checkpointing with the drop-in's contexts in its kwargs (use_reentrant=False, context_fn=
+    router.checkpoint_contexts): every layer's attention routed in the forward and again in the recompute, strict, and
+    the gradients those of the same model and router without checkpointing."""
+    batch = train.make_batch(TINY, TOKENS, "cpu")
+    router = stand_in().context
+
+    def first_step(checkpointing):
+        model = train.build_model(TINY, "cpu")
+        if checkpointing:
+            with router() as r:  # any router of the step and settings: the contexts name its key
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": r.checkpoint_contexts})
+        with router() as r:
+            model(**batch).loss.backward()
+        return r, [p.grad for p in model.parameters() if p.grad is not None]
+    plain, want = first_step(False)
+    checkpointed, got = first_step(True)
+    layers = TINY["num_hidden_layers"]
+    assert (plain.routed, plain.recomputed) == (layers, 0) and not plain.fallbacks
+    assert (checkpointed.routed, checkpointed.recomputed) == (layers, layers) and not checkpointed.fallbacks
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_a_drop_in_that_leaves_the_backward_to_torch_fails_its_row(transformers):
     """A router that does not take calls needing gradients (strict) raises on the first: the row fails, saying why."""
     rows, _ = run([stand_in(backward=False)])
