@@ -330,7 +330,9 @@ class SdpaRouter(TorchFunctionMode):
         it such calls stay with torch (CHECKPOINTED). E.g. transformers:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
         "context_fn": router.checkpoint_contexts})."""
-        owner = next((r for r in reversed(_active_routers()) if r.key == self.key), self)  # counts the recompute
+        owner = next((r for r in reversed(_active_routers()) if r.key == self.key), None)  # counts the recompute
+        if owner is None:  # no such drop-in in the forward: it went to torch, and so must the recompute
+            return contextlib.nullcontext(), contextlib.nullcontext()
         return _routes_its_recompute(self.key), owner._recompute()
 
     @contextlib.contextmanager

@@ -904,3 +904,9 @@ def test_a_checkpoint_given_the_router_s_contexts_routes_its_recompute_too():
     with router(strict=True, attention=counted, limits=limits) as r:  # strict: nothing falls back, nothing raises
         grads(lambda *a: r.checkpoint(block, *a))
     assert r.routed == r.recomputed == 1
+    ran.clear()  # the contexts of a drop-in that is not active in the forward (set on a model once, run without it):
+    stale = router(attention=counted, limits=limits)  # the forward goes to torch, and so does the recompute
+    got = grads(lambda *a: stale.checkpoint(block, *a))
+    assert ran == [] and stale.routed == stale.recomputed == 0
+    torch_only = grads(lambda *a: checkpoint(block, *a, use_reentrant=False))
+    assert all(torch.equal(a, b) for a, b in zip(got, torch_only))
