@@ -18,8 +18,9 @@
 // Bumped when FwdParams or the exported functions change; the binding refuses a mismatched .so.
 // (3: flashladder_archs and flashladder_loaded_code; flashladder_smem_bytes in the steps that run beyond Hopper.
 // 4: FwdParams' heads_k, causal and causal_offset; flashladder_features in the steps that read them.
-// 5: FwdParams' workspace; flashladder_workspace_bytes in the steps that read it.)
-#define FLASHLADDER_ABI_VERSION 5
+// 5: FwdParams' workspace; flashladder_workspace_bytes in the steps that read it.
+// 6: FwdParams' and BwdParams' dtype, read by the steps with FLASHLADDER_FEATURE_FP16.)
+#define FLASHLADDER_ABI_VERSION 6
 
 // ---- which GPUs the library runs on: said by the build (common/build_step.py, TARGETS) ----
 // FLASHLADDER_ARCHS: what the library holds, its SASS then its PTX, e.g. "sm_80,sm_86,sm_89,sm_90a,sm_120,compute_80"
@@ -71,6 +72,9 @@ struct FwdParams {
     // device memory, zero before the step's first call on the stream, which the step leaves zero again after each call.
     // nullptr: the step runs without it.
     void* workspace;
+    // The type of q, k, v and o: FLASHLADDER_BF16, or FLASHLADDER_FP16 for the steps with FLASHLADDER_FEATURE_FP16 (the
+    // binding passes the others bf16 alone). The LSE is fp32 either way.
+    int32_t dtype;
 };
 
 // Everything a backward call needs (the steps that export flashladder_bwd). Mirrored in common/binding/abi.py.
@@ -96,11 +100,15 @@ struct BwdParams {
     float scale;
     int32_t heads_k, causal, causal_offset;  // as in FwdParams
     int32_t deterministic;  // 1: the same bits every call (a step that adds dQ up in any order then takes another way)
+    int32_t dtype;          // as in FwdParams: of q, k, v, o, d_o and of dq, dk, dv
 };
 
 // Bits of flashladder_features(), exported by the steps that take more than dense attention with equal heads.
 constexpr int FLASHLADDER_FEATURE_CAUSAL = 1;  // FwdParams' causal and causal_offset
 constexpr int FLASHLADDER_FEATURE_GQA = 2;     // heads_k < heads (grouped and multi-query attention)
+constexpr int FLASHLADDER_FEATURE_FP16 = 4;    // dtype = FLASHLADDER_FP16 (fp16 inputs and outputs) as well as bf16
+// FwdParams' and BwdParams' dtype.
+constexpr int32_t FLASHLADDER_BF16 = 0, FLASHLADDER_FP16 = 1;
 
 // Address of row `row` of the [seqlen, HEAD_DIM] matrix of (batch, head) in a strided tensor.
 template <typename T>

@@ -7,7 +7,9 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 // ---------------------------------------------------------------------------------------------------
 // Addresses
@@ -87,6 +89,32 @@ __device__ __forceinline__ uint32_t cvt_rn_bf16x2_f32(float lo, float hi) {
     uint32_t r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+// The same into two fp16 (cvt.rn.f16x2.f32): values beyond fp16's 65504 become +-inf.
+__device__ __forceinline__ uint32_t cvt_rn_f16x2_f32(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// ---- the two 16-bit input types, for the kernels built for both (step40 on): T = __nv_bfloat16 or __half ----
+// bf16 keeps fp32's exponent with 8 bits of precision; fp16 has 11 bits of precision and a range up to 65504. Both
+// multiply exactly into fp32 (8 x 8 or 11 x 11 bits), so the tensor cores' products are the same kind of thing.
+template <typename T>
+constexpr bool is_16bit_float = std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
+// Two fp32 -> one register of two T (lo in the low half), round to nearest even.
+template <typename T>
+__device__ __forceinline__ uint32_t cvt_rn_x2_f32(float lo, float hi) {
+    static_assert(is_16bit_float<T>, "bf16 or fp16");
+    if constexpr (std::is_same_v<T, __half>) return cvt_rn_f16x2_f32(lo, hi);
+    else return cvt_rn_bf16x2_f32(lo, hi);
+}
+// One T -> fp32 (exact).
+template <typename T>
+__device__ __forceinline__ float to_f32(T x) {
+    static_assert(is_16bit_float<T>, "bf16 or fp16");
+    if constexpr (std::is_same_v<T, __half>) return __half2float(x);
+    else return __bfloat162float(x);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -88,16 +88,16 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 // ---- host side ----
 
 // The tensor map of one of the four [batch, heads, seqlen, HEAD_DIM] bf16 tensors (strides in elements, as
-// in FwdParams), read in boxes of [box_rows, 64] with the 128-byte swizzle (common/swizzle.cuh:
-// swizzle_tma_128b). TMA dims, innermost first: (dim, row, head, batch). A dimension whose stride is 0
+// in FwdParams; `type`: fp16 in the steps that take it, tma_type below), read in boxes of [box_rows, 64] with the
+// 128-byte swizzle (common/swizzle.cuh: swizzle_tma_128b). TMA dims, innermost first: (dim, row, head, batch). A dimension whose stride is 0
 // (k/v broadcast over heads or batch) is described as size 1: the kernel then asks for coordinate 0 there
 // (tma_coord below). Returns a CUresult (0 = success).
 inline int encode_tile_map(CUtensorMap* map, const void* base, const int64_t stride[3], int rows, int heads, int batch,
-                           int box_rows) {
+                           int box_rows, CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
     cudaError_t lookup = cudaSuccess;
     const auto encode = driver_cuTensorMapEncodeTiled(&lookup);
     if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
-    constexpr uint64_t ELEM = sizeof(__nv_bfloat16);
+    constexpr uint64_t ELEM = sizeof(__nv_bfloat16);  // or __half's: the same 2 bytes
     const uint64_t row_bytes = uint64_t(stride[2]) * ELEM;
     // A broadcast dimension (stride 0) becomes size 1; its stride is then never used, but must be valid.
     const uint64_t head_bytes = stride[1] ? uint64_t(stride[1]) * ELEM : row_bytes;
@@ -106,10 +106,15 @@ inline int encode_tile_map(CUtensorMap* map, const void* base, const int64_t str
     const cuuint64_t strides[3] = {row_bytes, head_bytes, batch_bytes};  // bytes, of dims 1..3 (dim 0 is contiguous)
     const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};          // 64 bf16 = one 128-byte swizzle row
     const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+    return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
+
+// The TMA type of a kernel's 16-bit element type (a copy moves bytes; the map names what they are).
+template <typename T>
+constexpr CUtensorMapDataType tma_type =
+    std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
 
 // The tensor map of a contiguous fp32 [batch, heads, rows, HEAD_DIM] accumulator (the backward's dQ), in boxes of
 // [box_rows, 32] with the 128-byte swizzle: 32 floats are one 128-byte row of the swizzle, so a box row is the same

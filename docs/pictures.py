@@ -119,7 +119,7 @@ class Code:
         return None
 
     def _evaluate(self, expr: str, where: str, depth: int):
-        expr = re.sub(r"sizeof\(__nv_bfloat16\)", str(ELEM_BYTES), expr)
+        expr = re.sub(r"sizeof\((?:__nv_bfloat16|__half|Bits16)\)", str(ELEM_BYTES), expr)  # 16-bit elements (step40: Bits16)
         expr = re.sub(r"(\d+(?:\.\d*)?)f\b", r"\1", expr)
         if depth > 8:
             return None

@@ -5,6 +5,7 @@
     python -m verify --no-bench            # build + checks only
     python -m verify --no-checks           # build + benchmark only
     python -m verify --no-causal           # without the causal table (step15 on: causal and GQA at N = 4K/8K/16K)
+    python -m verify --no-breadth          # without the breadth tables (step40 on: fp16, dense and causal)
     python -m verify --out DIR             # also write the log, the checks' junit XML and the results to DIR
     python -m verify --ptx-jit             # checks of steps 01-07 built as their PTX alone, compiled by the driver
 
@@ -49,6 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-backward", action="store_true",
                     help="skip the benchmark's backward table (the last step with a backward and SDPA cuDNN's and FLASH's "
                          "backward, dense and causal, at N = 4K/8K/16K)")
+    ap.add_argument("--no-breadth", action="store_true",
+                    help="skip the benchmark's breadth tables (the last step that takes fp16, SDPA cuDNN and FA3 in fp16, "
+                         "dense and causal, at N = 4K/8K/16K: 18 cells, about 40 s)")
     ap.add_argument("--no-causal", action="store_true",
                     help="skip the benchmark's causal table (the last step that takes causal masks, SDPA cuDNN and FA3, "
                          "causal and with Llama-3-8B's grouped heads, at N = 4K/8K/16K: 18 cells, about 40 s)")
@@ -183,7 +187,11 @@ def run(args) -> int:
     causal = None if args.no_causal else causal_step(timed)
     if causal:
         log(f"  causal table: {causal.name} at N = {', '.join(map(str, bench.causal_seqlens(seqlens))) or '(none of this run)'}")
-    timing = bench.run(impls, seqlens, timing=bench.timing_from_args(args), log=log, causal=causal)
+    breadth = None if args.no_breadth else breadth_step(timed)
+    if breadth:
+        log(f"  breadth tables: {breadth.name}, {', '.join(breadth.tables)}, dense and causal, at N = "
+            f"{', '.join(map(str, bench.causal_seqlens(seqlens))) or '(none of this run)'}")
+    timing = bench.run(impls, seqlens, timing=bench.timing_from_args(args), log=log, causal=causal, breadth=breadth)
     with_backward = [s for s, m in timed.items() if m.info.get("backward")]
     bwd_seqlens = backward_timing.backward_seqlens(seqlens)
     if with_backward and bwd_seqlens and not args.no_backward:  # the last step with a backward, beside SDPA's
@@ -204,7 +212,7 @@ def run(args) -> int:
     json_path.write_text(json.dumps(run, indent=1, default=str))
     report.chart(run, png_path)
     full = (steps == steps_mod.all_steps() and seqlens == bench.SEQLENS_OF_RECORD and not args.no_checks and not failed
-            and not skipped and not args.no_causal)
+            and not skipped and not args.no_causal and not args.no_breadth)
     if args.readme == "yes" or (args.readme == "auto" and full):
         shutil.copyfile(png_path, ROOT / "results" / "latest.png")
         if report.update_readme(ROOT / "README.md", report.markdown_table(run), "results/latest.png"):
@@ -222,6 +230,17 @@ def run(args) -> int:
     if failed:
         log(f"\nCHECKS FAILED for {', '.join(failed)} (not benchmarked); see the pytest output above")
     return code
+
+
+def breadth_step(modules: dict):
+    """The breadth tables' step (bench.BreadthStep): the last of `modules` ({step: module}) that takes more than bf16
+    (info["dtypes"]), with the tables it takes, or None where none does."""
+    from verify import bench
+    takes = [(s, m) for s, m in modules.items() if "float16" in m.info.get("dtypes", [])]
+    if not takes:
+        return None
+    step, mod = takes[-1]
+    return bench.BreadthStep(step, mod.attention, ("fp16",))
 
 
 def causal_step(modules: dict):

@@ -25,6 +25,11 @@ The causal table (the last step that takes causal masks, info["causal"]: step15 
 (is_causal=True; enable_gqa=True for the grouped heads) and FlashAttention-3 (flash_attn_func(causal=True)). Its
 TFLOP/s count half the dense FLOPs (causal_flops): the diagonal's half of the score matrix is all there is to compute.
 
+The breadth tables (the last step that takes fp16, info["dtypes"]: step40 on) time what else a model passes, at the
+same N, 16 heads (batch = 16K/N), dense and causal, beside SDPA cuDNN and FA3 given the same: fp16 inputs ("fp16",
+rows stepNN_fp16, sdpa_cudnn_fp16, fa3_fp16, and stepNN_fp16_causal, ...). The step's bf16 rows of the same shapes are
+the dense and causal tables' own, so its fp16 is read against its bf16 in one run.
+
 `SteadyState` makes the warm-up / window decisions and `drive` does the queueing; neither touches
 the GPU, so tests/test_bench.py runs both on a simulated GPU and clock.
 """
@@ -62,6 +67,9 @@ CAUSAL_TABLES = {"causal": (HEADS, HEADS), "gqa": (32, 8)}  # table: (query head
 CAUSAL_PEERS = ["sdpa_cudnn", "fa3"]  # timed beside the step in each table: f"{peer}_{table}"
 LABELS |= {"sdpa_cudnn_causal": "SDPA cuDNN causal", "fa3_causal": "FA3 causal",
            "sdpa_cudnn_gqa": "SDPA cuDNN GQA", "fa3_gqa": "FA3 GQA"}
+# The breadth tables: {table: the inputs' dtype (a torch attribute)}, each timed dense and causal (table + "_causal").
+BREADTH_TABLES = {"fp16": "float16"}
+BREADTH_PEERS = ["sdpa_cudnn", "fa3"]  # timed beside the step: f"{peer}_{table}"
 
 
 def shape_of(seqlen: int) -> tuple[int, int, int]:
@@ -129,6 +137,39 @@ def causal_seqlens(seqlens: list[int]) -> list[int]:
 def causal_names(step: str) -> dict[str, list[str]]:
     """{table: its rows}: the step's, then SDPA cuDNN's and FA3's, e.g. step15_causal, sdpa_cudnn_causal, fa3_causal."""
     return {table: [f"{impl}_{table}" for impl in (step, *CAUSAL_PEERS)] for table in CAUSAL_TABLES}
+
+
+def breadth_names(step: str, tables) -> dict[str, list[str]]:
+    """{table: its rows} of the breadth tables `tables` (of BREADTH_TABLES), dense then causal: the step's, then SDPA
+    cuDNN's and FA3's, e.g. {"fp16": [step40_fp16, sdpa_cudnn_fp16, fa3_fp16], "fp16_causal": [step40_fp16_causal, ...]}."""
+    return {f"{t}{c}": [f"{impl}_{t}{c}" for impl in (step, *BREADTH_PEERS)] for t in tables for c in ("", "_causal")}
+
+
+class BreadthStep(NamedTuple):
+    """The step of the breadth tables: its name, attention(q, k, v, scale=None, causal=...) and the tables (of
+    BREADTH_TABLES) it takes: "fp16" where info["dtypes"] has float16."""
+    name: str
+    attention: Callable
+    tables: tuple
+
+
+def breadth_fns(table: str, q, k, v, step: BreadthStep, fa3) -> dict:
+    """A breadth table's rows at these inputs (already in the table's dtype): {name: fn}; `table` ends in "_causal" for
+    causal calls (SDPA's is_causal=True, the steps' and FA3's top-left corner: the lengths agree)."""
+    names, mask = breadth_names(step.name, [table.removesuffix("_causal")])[table], table.endswith("_causal")
+    fns = {names[0]: lambda: step.attention(q, k, v, causal="top_left" if mask else False),
+           names[1]: sdpa_fn(SDPA_BACKENDS["sdpa_cudnn"], q, k, v, is_causal=mask)}
+    if fa3:  # on [B, N, H, D] copies, FA3's own layout, made once outside the timing
+        qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+        fns[names[2]] = lambda: fa3(qt, kt, vt, causal="top_left" if mask else False)
+    return fns
+
+
+def breadth_method(step: BreadthStep, seqlens: list[int]) -> dict:
+    """What the results file says of the breadth tables: the step, the N, the rows, each table's dtype and shapes."""
+    return {"step": step.name, "seqlens": list(seqlens), "rows": breadth_names(step.name, step.tables),
+            "tables": {t: {"dtype": BREADTH_TABLES[t], "head_dim": HEAD_DIM, "heads": HEADS} for t in step.tables},
+            "mask": "dense, and top_left (is_causal=True) in the _causal tables, whose FLOPs are half the dense ones"}
 
 
 class CausalStep(NamedTuple):
@@ -552,13 +593,15 @@ def causal_method(step: str, seqlens: list[int]) -> dict:
 
 
 def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=print, timing: Timing | None = None,
-        causal: CausalStep | None = None) -> dict:
+        causal: CausalStep | None = None, breadth: BreadthStep | None = None) -> dict:
     """impls: {name: attention(q, k, v)}. Returns {"timings": {name: {N: cell}}, "unavailable": {name: why},
     "not_timed": {name: {N: why}} (a step that does not take a shape, e.g. a seqlen that is not a multiple of its
     tile), "method": the timing settings}, with the SDPA backends, FA3 (where installed) and the cuBLAS GEMM added.
     causal: the step of the causal table (module docstring), timed at causal_seqlens(seqlens) with SDPA cuDNN and FA3
     beside it; then "causal" says what the table is (causal_method), and a cell that torch refuses (SDPA cuDNN
     without grouped heads in some torch) is "not timed" with torch's reason, never run by another backend.
+    breadth: the step of the breadth tables (module docstring), timed at causal_seqlens(seqlens) the same way; then
+    "breadth" says what they are (breadth_method).
 
     budget_s, the old benchmark's seconds of timed calls, sets the window's length (verify/variants.py)."""
     import torch
@@ -569,8 +612,11 @@ def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=prin
     fa3, why_not_fa3 = fa3_attention()
     c_seqlens = causal_seqlens(seqlens) if causal else []
     c_names = causal_names(causal.name) if c_seqlens else {}
-    results: dict[str, dict] = {name: {} for name in [*impls, *SDPA_BACKENDS, *PEERS, *(n for ns in c_names.values() for n in ns)]}
-    errors: dict[str, str] = {} if fa3 else {"fa3": why_not_fa3, **{f"fa3_{t}": why_not_fa3 for t in c_names}}
+    b_seqlens = causal_seqlens(seqlens) if breadth else []
+    b_names = breadth_names(breadth.name, breadth.tables) if b_seqlens else {}
+    results: dict[str, dict] = {name: {} for name in [*impls, *SDPA_BACKENDS, *PEERS,
+                                                      *(n for ns in [*c_names.values(), *b_names.values()] for n in ns)]}
+    errors: dict[str, str] = {} if fa3 else {"fa3": why_not_fa3, **{f"fa3_{t}": why_not_fa3 for t in [*c_names, *b_names]}}
     not_timed: dict[str, dict] = {}
     if not fa3:
         log(f"  fa3              {why_not_fa3}")
@@ -632,6 +678,15 @@ def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=prin
                     log(f"  N={n:<6} {name}: not timed: {why}")
                 time_cells(fns, n, (batch, heads, heads_kv), causal_flops(batch, heads, n),
                            f"batch={batch:<3} heads={heads}/{heads_kv:<3} causal")
+        for table in b_names:
+            dtype, mask = getattr(torch, BREADTH_TABLES[table.removesuffix("_causal")]), table.endswith("_causal")
+            for n in b_seqlens:
+                batch, heads, _ = shape_of(n)
+                gen = torch.Generator(device="cuda").manual_seed(n)
+                q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", generator=gen).add_(0.5).to(dtype)
+                           for _ in range(3))
+                time_cells(breadth_fns(table, q, k, v, breadth, fa3), n, (batch, heads),
+                           (causal_flops if mask else flops)(batch, heads, n), f"batch={batch:<3} heads={heads:<3} {table}")
         a, b = (torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gemm = with_tflops(measure(lambda: a @ b, flush, sampler, timing), 2 * GEMM_N**3)
         log(log_line(LABELS["cublas_gemm"], gemm))
@@ -644,4 +699,6 @@ def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=prin
            "method": dataclasses.asdict(timing) | {"clock_source": sampler.source}}
     if c_names:
         out["causal"] = causal_method(causal.name, c_seqlens)
+    if b_names:
+        out["breadth"] = breadth_method(breadth, b_seqlens)
     return out

@@ -52,6 +52,14 @@ O_YARDSTICK_FACTOR = 2.0
 # does (test_fa4_rescale_needs_the_p_rounding_term), and so did steps 13 and 14 on the H200 (NOTES.md, "The O
 # bound and peaked rows").
 O_P_ROUNDING = 2.0**-8
+# The same for fp16 inputs (steps that take them, info["dtypes"]): P and O rounded to fp16, 11 bits of precision where
+# bf16 has 8, so one rounding of P costs up to 2^-11 |O|; the yardstick rounds in the inputs' type too.
+O_P_ROUNDING_FP16 = 2.0**-11
+
+
+def p_rounding_of(dtype) -> float:
+    """O_P_ROUNDING of inputs of this dtype (read when asked: tests set the constants)."""
+    return O_P_ROUNDING_FP16 if dtype == torch.float16 else O_P_ROUNDING
 # For outputs that the yardstick gets exactly (e.g. O = the V row of one dominant key, a bf16 value):
 # far below a bf16 ulp of |O| ~ 1 (2^-7), so it never hides a real error.
 O_ATOL = 1e-4
@@ -83,13 +91,14 @@ def replay() -> str:
     return f"replay: FLASHLADDER_SEED={run_seed()}"
 
 
-def make_inputs(batch, heads, seqlen_q, seqlen_k, *, factor=1.0, seed=None, device="cuda", heads_k=None):
-    """q, k, v bf16 ~ factor * N(INPUT_MEAN, 1) in torch's [batch, heads, seqlen, 128] layout (seed: run_seed());
-    heads_k: k and v's heads (default: heads), for grouped (GQA) or multi-query (heads_k = 1) attention."""
+def make_inputs(batch, heads, seqlen_q, seqlen_k, *, factor=1.0, seed=None, device="cuda", heads_k=None,
+                dtype=torch.bfloat16):
+    """q, k, v bf16 (or dtype: fp16) ~ factor * N(INPUT_MEAN, 1) in torch's [batch, heads, seqlen, 128] layout (seed:
+    run_seed()); heads_k: k and v's heads (default: heads), for grouped (GQA) or multi-query (heads_k = 1) attention."""
     gen = torch.Generator(device="cpu").manual_seed(run_seed() if seed is None else seed)
     heads_k = heads if heads_k is None else heads_k
     def one(h, n):
-        return (factor * (torch.randn(batch, h, n, HEAD_DIM, generator=gen) + INPUT_MEAN)).to(torch.bfloat16).to(device)
+        return (factor * (torch.randn(batch, h, n, HEAD_DIM, generator=gen) + INPUT_MEAN)).to(dtype).to(device)
     return one(heads, seqlen_q), one(heads_k, seqlen_k), one(heads_k, seqlen_k)
 
 
@@ -115,13 +124,14 @@ def ieee_fp32_matmul():
 
 
 def yardstick_attention(q, k, v, scale, causal=False):
-    """Attention in the kernels' precision class, on q's device: the bf16 inputs' products are exact in fp32, so
-    scores = fp32 GEMM (fp32 accumulation, no TF32); P = exp(s - rowmax) in fp32, rounded to bf16 for P.V (fp32
-    accumulation); the row sum l from the unrounded fp32 P; O = acc / l rounded to bf16; LSE = rowmax + log(l).
+    """Attention in the kernels' precision class, on q's device: the bf16 (or fp16) inputs' products are exact in
+    fp32, so scores = fp32 GEMM (fp32 accumulation, no TF32); P = exp(s - rowmax) in fp32, rounded to q's dtype for
+    P.V (fp32 accumulation); the row sum l from the unrounded fp32 P; O = acc / l rounded to q's dtype; LSE = rowmax +
+    log(l).
     causal: the scores of the keys a row does not see are -inf (P = 0); a row that sees none gets o = 0 and
     lse = -inf. k, v may have fewer heads than q (a divisor): query head h reads key/value head h // (heads // heads_k).
     Computed in blocks of query rows of at most CHUNK_SCORES scores, as the float64 reference is.
-    Returns (o bf16, lse fp32)."""
+    Returns (o in q's dtype, lse fp32)."""
     causal = check_causal(causal)
     heads, heads_k = q.shape[1], k.shape[1]
     if heads_k != heads:
@@ -130,7 +140,7 @@ def yardstick_attention(q, k, v, scale, causal=False):
         k, v = (t.repeat_interleave(heads // heads_k, dim=1) for t in (k, v))
     nq, nk = q.shape[2], k.shape[2]
     block = max(1, CHUNK_SCORES // max(1, q.shape[0] * heads * nk))
-    o = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     kf, vf = k.float(), v.float()
     with ieee_fp32_matmul():
@@ -145,8 +155,8 @@ def yardstick_attention(q, k, v, scale, causal=False):
             keyless = torch.isneginf(m)  # rows that see no key
             p = torch.exp(s - torch.where(keyless, 0.0, m))  # exp(-inf) = 0 for every key such a row does not see
             row_sum = p.sum(dim=-1, keepdim=True)
-            acc = torch.matmul(p.to(torch.bfloat16).float(), vf)
-            o[:, :, start:stop] = torch.where(keyless, 0.0, acc / torch.where(keyless, 1.0, row_sum)).to(torch.bfloat16)
+            acc = torch.matmul(p.to(q.dtype).float(), vf)
+            o[:, :, start:stop] = torch.where(keyless, 0.0, acc / torch.where(keyless, 1.0, row_sum)).to(q.dtype)
             lse[:, :, start:stop] = torch.where(keyless, -math.inf, m + torch.log(row_sum)).squeeze(-1)
     return o, lse
 
@@ -167,9 +177,10 @@ class Errors:
     lse_at: tuple = ()      # [batch, head, row] of the largest LSE error
     wrong_keyless: int = 0  # rows that see no key (lse_ref = -inf) whose o is not all 0 or whose lse is not -inf
     keyless_at: tuple = ()  # [batch, head, row] of the first of them
+    o_p_rounding: float = O_P_ROUNDING  # p_rounding_of the inputs' dtype
 
     def o_limit(self) -> float:
-        return O_YARDSTICK_FACTOR * self.o_max_abs_yardstick + O_P_ROUNDING * self.o_ref_abs_at + O_ATOL
+        return O_YARDSTICK_FACTOR * self.o_max_abs_yardstick + self.o_p_rounding * self.o_ref_abs_at + O_ATOL
 
     def lse_limit(self) -> float:
         return LSE_YARDSTICK_FACTOR * self.lse_max_abs_yardstick + LSE_ULPS * 2.0**-23 * self.lse_max_abs_ref
@@ -186,8 +197,8 @@ class Errors:
             bad.append(f"O relative Frobenius error {self.o_rel_frob:.3g} > {O_REL_FROB}")
         if not self.o_max_abs <= self.o_limit():
             bad.append(f"O error {self.o_max_abs:.3g} at {list(self.o_at)} > {O_YARDSTICK_FACTOR:g} x the yardstick's max "
-                       f"({self.o_max_abs_yardstick:.3g}) + {O_P_ROUNDING:.3g} x |O_ref| there ({self.o_ref_abs_at:.3g}) + {O_ATOL:g} = "
-                       f"{self.o_limit():.3g}")
+                       f"({self.o_max_abs_yardstick:.3g}) + {self.o_p_rounding:.3g} x |O_ref| there ({self.o_ref_abs_at:.3g}) + "
+                       f"{O_ATOL:g} = {self.o_limit():.3g}")
         if not self.lse_max_abs <= self.lse_limit():
             bad.append(f"LSE max abs error {self.lse_max_abs:.3g} at {list(self.lse_at)} > {LSE_YARDSTICK_FACTOR:g} x the "
                        f"yardstick's ({self.lse_max_abs_yardstick:.3g}) + {LSE_ULPS:g} fp32 ulp of max|LSE| "
@@ -209,6 +220,7 @@ class Case:
     o_yardstick: float
     lse_yardstick: float
     causal: object = False  # False, "top_left" or "bottom_right" (k, v's heads are in their shape)
+    p_rounding: float = O_P_ROUNDING  # p_rounding_of the inputs' dtype
 
 
 def _abs_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -238,7 +250,8 @@ def prepare(q, k, v, scale=None, label="", cache_key=None, causal=False) -> Case
         o_ref, lse_ref = (_cached_reference(cache_key, as64, scale, causal) if cache_key
                           else attention_reference_of(*as64, scale, causal))
     o_y, lse_y = yardstick_attention(q, k, v, scale, causal)
-    return Case(label, q, k, v, scale, o_ref, lse_ref, _max_abs(o_y, o_ref), _max_abs(lse_y, lse_ref), causal)
+    return Case(label, q, k, v, scale, o_ref, lse_ref, _max_abs(o_y, o_ref), _max_abs(lse_y, lse_ref), causal,
+                p_rounding_of(q.dtype))
 
 
 def errors_of(case: Case, o: torch.Tensor, lse: torch.Tensor) -> Errors:
@@ -251,7 +264,7 @@ def errors_of(case: Case, o: torch.Tensor, lse: torch.Tensor) -> Errors:
     wrong_keyless = keyless & ~(exact_keyless & (o64 == 0).all(axis=-1))
     with np.errstate(invalid="ignore", divide="ignore"):
         o_err, lse_err = np.abs(o64 - case.o_ref), _abs_errors(lse64, case.lse_ref)
-        o_at = np.unravel_index(np.argmax(o_err - O_P_ROUNDING * np.abs(case.o_ref)), o_err.shape)  # a NaN first
+        o_at = np.unravel_index(np.argmax(o_err - case.p_rounding * np.abs(case.o_ref)), o_err.shape)  # a NaN first
         finite_lse = np.abs(case.lse_ref[np.isfinite(case.lse_ref)])
         ref_norm, err_norm = np.linalg.norm(case.o_ref), np.linalg.norm(o64 - case.o_ref)
         return Errors(
@@ -269,13 +282,14 @@ def errors_of(case: Case, o: torch.Tensor, lse: torch.Tensor) -> Errors:
             lse_at=tuple(int(i) for i in np.unravel_index(np.argmax(lse_err), lse_err.shape)),
             wrong_keyless=int(wrong_keyless.sum()),
             keyless_at=tuple(int(i[0]) for i in np.nonzero(wrong_keyless)) if wrong_keyless.any() else (),
+            o_p_rounding=case.p_rounding,
         )
 
 
 def run_poisoned(mod, q, k, v, scale=None, causal=False):
     """Call the step writing into NaN-poisoned buffers; returns (o, lse). causal goes to the step only when it is
     asked for (a step without causal masks takes causal=False too)."""
-    o = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    o = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
     mod.attention_out(q, k, v, o, lse, scale, **({"causal": causal} if causal else {}))
     if q.device.type == "cuda":
@@ -295,13 +309,13 @@ def measure_errors(mod, q, k, v, scale=None, causal=False) -> Errors:
 # ---------------------------------------------------------------- cases shared by every step of a run
 
 @functools.lru_cache(maxsize=None)
-def random_case(batch, heads, seqlen_q, seqlen_k, factor=1.0, causal=False, heads_k=None) -> Case:
+def random_case(batch, heads, seqlen_q, seqlen_k, factor=1.0, causal=False, heads_k=None, dtype=torch.bfloat16) -> Case:
     """make_inputs(...) of this run's seed, prepared once per process (on the CPU, its numpy reference once per run).
-    causal: False, "top_left" or "bottom_right"; heads_k: k and v's heads (default: heads)."""
-    key = ("random", batch, heads, seqlen_q, seqlen_k, factor, causal, heads_k)
+    causal: False, "top_left" or "bottom_right"; heads_k: k and v's heads (default: heads); dtype: the inputs'."""
+    key = ("random", batch, heads, seqlen_q, seqlen_k, factor, causal, heads_k, str(dtype))
     label = (f"random x{factor:g} {batch}x{heads}x{seqlen_q}x{seqlen_k}" + (f", {heads_k} kv heads" if heads_k else "")
-             + (f", causal {causal}" if causal else ""))
-    return prepare(*make_inputs(batch, heads, seqlen_q, seqlen_k, factor=factor, heads_k=heads_k),
+             + (f", causal {causal}" if causal else "") + (f", {dtype}" if dtype != torch.bfloat16 else ""))
+    return prepare(*make_inputs(batch, heads, seqlen_q, seqlen_k, factor=factor, heads_k=heads_k, dtype=dtype),
                    label=label, cache_key=key, causal=causal)
 
 
@@ -333,8 +347,9 @@ CAUSAL_ADVERSARIAL = {
 MASKED_DOMINANCE = 100.0  # nats: e^-100 is below fp32's smallest normal number (e^-87.3)
 
 
-def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda"):
-    """q, k, v (bf16, [1, 2, 2 tile_q, ADVERSARIAL_K_TILES tile_k, 128]) for one of ADVERSARIAL (or CAUSAL_ADVERSARIAL).
+def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda", dtype=torch.bfloat16):
+    """q, k, v (bf16 or dtype, [1, 2, 2 tile_q, ADVERSARIAL_K_TILES tile_k, 128]) for one of ADVERSARIAL (or
+    CAUSAL_ADVERSARIAL).
 
     The bias cases put q ~ 1 + N(0, 1/16) (every row summing to 128) and k_j = bias_j / (128 scale) + N(0, 1/100),
     so that score(i, j) ~ bias_j (nats) + a random part of ~0.1 nat. Every term of a dot product is then of
@@ -368,14 +383,15 @@ def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda"):
         k = k[:, :, :1].expand(k.shape).clone()
     elif kind == "large_v_mean":
         v = 100.0 + randn(nk)
-    return tuple(t.to(torch.bfloat16).to(device) for t in (q, k, v))
+    return tuple(t.to(dtype).to(device) for t in (q, k, v))
 
 
 @functools.lru_cache(maxsize=None)
-def adversarial_case(kind, tile_q, tile_k, causal=False) -> Case:
-    return prepare(*adversarial_inputs(kind, tile_q, tile_k),
-                   label=f"{kind} (tiles {tile_q}x{tile_k}" + (f", causal {causal})" if causal else ")"),
-                   cache_key=("adversarial", kind, tile_q, tile_k, causal), causal=causal)
+def adversarial_case(kind, tile_q, tile_k, causal=False, dtype=torch.bfloat16) -> Case:
+    return prepare(*adversarial_inputs(kind, tile_q, tile_k, dtype=dtype),
+                   label=f"{kind} (tiles {tile_q}x{tile_k}" + (f", causal {causal}" if causal else "")
+                   + (f", {dtype})" if dtype != torch.bfloat16 else ")"),
+                   cache_key=("adversarial", kind, tile_q, tile_k, causal, str(dtype)), causal=causal)
 
 
 # ---------------------------------------------------------------- the numpy reference, once per run

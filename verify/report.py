@@ -52,6 +52,9 @@ def only_steps(run: dict, keep: list[str]) -> dict:
     if (run.get("causal") or {}).get("step") in dropped:
         dropped |= set(causal_names(run))
         out["causal"] = None
+    if (run.get("breadth") or {}).get("step") in dropped:
+        dropped |= set(breadth_names(run))
+        out["breadth"] = None
     out["timings"] = {k: v for k, v in run["timings"].items() if k not in dropped}
     out["checks"] = {k: v for k, v in (run.get("checks") or {}).items() if k not in dropped}
     return out
@@ -166,14 +169,14 @@ def markdown_table(run: dict) -> str:
                      + (f" {_ratios(r['vs_fa3'], seqlens, list(seqlens))} |" if with_fa3 else ""))
     lines.append("")
     lines.append(timing_note(run) + not_timed_note(run))
-    causal = causal_markdown_table(run)
-    return "\n".join(lines) + (f"\n\n{causal}" if causal else "")
+    causal, breadth = causal_markdown_table(run), breadth_markdown_table(run)
+    return "\n".join(lines) + (f"\n\n{causal}" if causal else "") + (f"\n\n{breadth}" if breadth else "")
 
 
 def not_timed_note(run: dict) -> str:
     """Why a cell is '-': the steps that do not take a shape, as the run recorded them (the dense table's rows; the
     causal table says its own)."""
-    causal = set(causal_names(run))
+    causal = set(causal_names(run)) | set(breadth_names(run))
     missing = {impl: cells for impl, cells in (run.get("not_timed") or {}).items() if impl not in causal}
     if not missing:
         return ""
@@ -203,8 +206,9 @@ def console_table(run: dict) -> str:
                     + f"   {_ratios(r['vs_prev'], seqlens):<{ratio_w}}   {_ratios(r['vs_cudnn'], seqlens):<{cudnn_w}}{fa3}").rstrip()
                    + flag)
     burst = burst_vs_sustained(run)
-    causal = causal_console_table(run)
-    return "\n".join(out) + (f"\n\n{burst}" if burst else "") + (f"\n\n{causal}" if causal else "")
+    causal, breadth = causal_console_table(run), breadth_console_table(run)
+    return ("\n".join(out) + (f"\n\n{burst}" if burst else "") + (f"\n\n{causal}" if causal else "")
+            + (f"\n\n{breadth}" if breadth else ""))
 
 
 # ---- the causal table (python -m verify with a step that takes causal masks: bench.run's `causal`) ----
@@ -312,6 +316,111 @@ def causal_console_table(run: dict) -> str:
     return "\n".join(out + ([f"not timed: {m}" for m in missing]))
 
 
+# ---- the breadth tables (python -m verify with a step that takes fp16: bench.run's `breadth`) ----
+
+def breadth_names(run: dict) -> list[str]:
+    """Every row name of the run's breadth tables (none where it has none)."""
+    return [name for names in ((run.get("breadth") or {}).get("rows") or {}).values() for name in names]
+
+
+def bf16_row(impl: str, table: str) -> str:
+    """The bf16 row of the same implementation and shapes as breadth row `impl` of `table`: the dense table's (stepNN,
+    sdpa_cudnn, fa3) or the causal table's (stepNN_causal, ...)."""
+    base = table.removesuffix("_causal")
+    return impl.removesuffix(f"_{table}") + ("_causal" if table != base else "")
+
+
+def breadth_rows(run: dict) -> list[dict]:
+    """One row per implementation and table (fp16, then fp16 causal): TFLOP/s per N and the ratios to the same
+    implementation's bf16 in the same shapes (this run's dense and causal tables), to SDPA cuDNN and to FA3 in the same
+    table. A row with no figure and no reason recorded (FA3 not installed) is left out."""
+    b = run.get("breadth")
+    if not b:
+        return []
+    seqlens, not_timed = b["seqlens"], run.get("not_timed") or {}
+    out = []
+    for table, names in b["rows"].items():
+        cudnn, fa3 = names[1], names[2]
+        words = table.replace("_causal", " causal")
+        for impl in names:
+            if not run["timings"].get(impl) and impl not in not_timed:
+                continue
+            tf = {n: _tf(run, impl, n) for n in seqlens}
+            step = impl == names[0]
+            label = f"{b['step']} {words}" if step else f"{LABELS.get(impl.removesuffix('_' + table), impl)} {words}"
+            out.append({
+                "impl": impl, "table": table, "label": label, "tflops": tf, "step": step,
+                "cells": {n: _cell(run, impl, n) for n in seqlens},
+                "vs_bf16": {n: _ratio(tf[n], _tf(run, bf16_row(impl, table), n)) for n in seqlens},
+                "vs_cudnn": {n: _ratio(tf[n], _tf(run, cudnn, n)) for n in seqlens} if impl != cudnn else {},
+                "vs_fa3": {n: _ratio(tf[n], _tf(run, fa3, n)) for n in seqlens} if impl != fa3 else {},
+                "checks": run.get("checks", {}).get(b["step"], "") if step else "",
+            })
+    return out
+
+
+def breadth_note(run: dict) -> str:
+    """What the breadth tables time, and why a cell is '-', from the results file."""
+    b = run["breadth"]
+    dtypes = ", ".join(sorted({t["dtype"] for t in b["tables"].values()}))
+    note = (f"The same calls in {dtypes}: batch = {TOTAL_TOKENS // 1024}K/N, {HEADS} heads, d = {HEAD_DIM}, dense and "
+            "causal (is_causal=True; TFLOP/s counting half the dense FLOPs). × bf16: over the same implementation in "
+            "bf16, in the same shapes, in this run (the tables above); × cuDNN and × FA3: over SDPA cuDNN and "
+            "FlashAttention-3 given the same inputs.")
+    missing: dict = {}
+    for impl in breadth_names(run):
+        for n, why in ((run.get("not_timed") or {}).get(impl) or {}).items():
+            missing.setdefault((impl, why), []).append(int(n))
+    if missing:
+        note += " Not timed (-): " + "; ".join(f"{impl} at N={'/'.join(_label(n) for n in sorted(ns))}: {why.rstrip('.')}"
+                                             for (impl, why), ns in missing.items()) + "."
+    return note
+
+
+def breadth_markdown_table(run: dict) -> str:
+    """The breadth tables under the causal one in the README: TFLOP/s, × bf16, × SDPA cuDNN and × FA3 at every N."""
+    rs = breadth_rows(run)
+    if not rs:
+        return ""
+    seqlens = run["breadth"]["seqlens"]
+    every = "/".join(_label(n) for n in seqlens)
+    with_fa3 = any(r["impl"].startswith("fa3_") and any(r["tflops"].values()) for r in rs)
+    lines = [f"| fp16 | {' | '.join(f'N={_label(n)}' for n in seqlens)} | × bf16 ({every}) | × cuDNN ({every}) |"
+             + (f" × FA3 ({every}) |" if with_fa3 else ""),
+             "|---|" + "---:|" * len(seqlens) + "---:|---:|" + ("---:|" if with_fa3 else "")]
+    for r in rs:
+        name = r["label"]
+        if r["checks"] and r["checks"] != "passed":
+            name += f" (checks {r['checks']})"
+        cells = [_fmt(r["tflops"][n], ".0f") for n in seqlens]
+        lines.append(f"| {name} | {' | '.join(cells)} | {_ratios(r['vs_bf16'], seqlens, seqlens)} | "
+                     f"{_ratios(r['vs_cudnn'], seqlens, seqlens)} |"
+                     + (f" {_ratios(r['vs_fa3'], seqlens, seqlens)} |" if with_fa3 else ""))
+    lines.append("")
+    lines.append(breadth_note(run))
+    return "\n".join(lines)
+
+
+def breadth_console_table(run: dict) -> str:
+    rs = breadth_rows(run)
+    if not rs:
+        return ""
+    seqlens = run["breadth"]["seqlens"]
+    every = "/".join(_label(n) for n in seqlens)
+    width = max(len(r["label"]) for r in rs) + 2
+    bf16_w = max(len(f"×bf16({every})"), *(len(_ratios(r["vs_bf16"], seqlens, seqlens)) for r in rs))
+    head = f"{'fp16':<{width}}" + "".join(f"{f'N={_label(n)}':>9}" for n in seqlens) + f"   {f'×bf16({every})':<{bf16_w}}   ×FA3({every})"
+    out = [head.rstrip(), "-" * len(head.rstrip())]
+    for r in rs:
+        flag = "" if not r["checks"] or r["checks"] == "passed" else f"  [checks {r['checks']}]"
+        fa3 = f"   {_ratios(r['vs_fa3'], seqlens, seqlens)}" if r["vs_fa3"] else ""
+        out.append((f"{r['label']:<{width}}" + "".join(f"{_fmt(r['tflops'][n], '.1f'):>9}" for n in seqlens)
+                    + f"   {_ratios(r['vs_bf16'], seqlens, seqlens):<{bf16_w}}{fa3}").rstrip() + flag)
+    missing = [f"{impl} N={n}: {why}" for impl in breadth_names(run)
+               for n, why in ((run.get("not_timed") or {}).get(impl) or {}).items()]
+    return "\n".join(out + ([f"not timed: {m}" for m in missing]))
+
+
 # ---- the backward table (verify/backward.py's run: a results file's "backward") ----
 
 BACKWARD_LABELS = {"sdpa_cudnn_bwd": "SDPA cuDNN", "sdpa_flash_bwd": "SDPA FLASH (FA2)", "fa4_bwd": "FlashAttention-4"}
@@ -339,7 +448,8 @@ def backward_rows(run: dict) -> list[dict]:
     if not b:
         return []
     t, out = b["timings"], []
-    for suffix, word in (("", ""), ("_causal", " causal"), ("_gqa", " GQA, 32/8 heads")):
+    for suffix, word in (("", ""), ("_causal", " causal"), ("_gqa", " GQA, 32/8 heads"), ("_fp16", " fp16"),
+                         ("_fp16_causal", " fp16 causal")):
         cudnn, fa4 = t.get(f"sdpa_cudnn_bwd{suffix}", {}), t.get(f"fa4_bwd{suffix}", {})
         for impl, cells in t.items():
             if not impl.endswith(f"_bwd{suffix}"):
@@ -362,7 +472,9 @@ def backward_note(run: dict) -> str:
             "as the forward is timed), TFLOP/s counting 2.5 times the forward's FLOPs (causal: half); batch = "
             f"{TOTAL_TOKENS // 1024}K/N, {HEADS} heads, d = {HEAD_DIM}, bf16; causal: SDPA's is_causal=True"
             + ("; GQA: causal, Llama-3-8B's 32 query heads over 8 key/value heads (SDPA with enable_gqa=True)"
-               if any(k.endswith("_gqa") for k in b["timings"]) else "") + ". "
+               if any(k.endswith("_gqa") for k in b["timings"]) else "")
+            + ("; fp16: the same dense and causal calls in fp16 (steps that take it), each against its peers in fp16"
+               if any(k.endswith("_fp16") for k in b["timings"]) else "") + ". "
             "× cuDNN: over SDPA cuDNN's backward in the same shape and mask"
             + ("; × FA4: over FlashAttention-4's (`flash-attn-4`, its sm90 backward) in the same shape and mask"
                if any(k.startswith("fa4_bwd") for k in b["timings"]) else "") + ". Source: "

@@ -25,7 +25,9 @@ GPU's properties, checks.device_props) replaces it in the module that defines it
 from .abi import (
     ABI_VERSION,
     CAUSAL,
+    DTYPE_CODE,
     FEATURE_CAUSAL,
+    FEATURE_FP16,
     FEATURE_GQA,
     HEAD_DIM,
     FwdParams,
@@ -48,6 +50,7 @@ from .checks import (
     check_types,
     code_for,
     device_props,
+    dtypes_of,
     no_cuda_reason,
     runs_on,
 )
@@ -68,10 +71,10 @@ from .router import (
 from .step import Step, bind_step, output_like
 
 __all__ = [
-    "ABI_VERSION", "CAUSAL", "FEATURE_CAUSAL", "FEATURE_GQA", "HEAD_DIM", "FwdParams", "kernel_strides", "load_library",
-    "make_params",
+    "ABI_VERSION", "CAUSAL", "DTYPE_CODE", "FEATURE_CAUSAL", "FEATURE_FP16", "FEATURE_GQA", "HEAD_DIM", "FwdParams",
+    "kernel_strides", "load_library", "make_params",
     "ALIGN", "MAX_GRID_YZ", "MAX_ROW_STRIDE", "Device", "check_causal", "check_causal_code", "check_device",
-    "check_inputs", "check_launch", "check_outputs_apart", "check_scale", "check_types", "code_for", "device_props",
+    "check_inputs", "check_launch", "check_outputs_apart", "check_scale", "check_types", "code_for", "device_props", "dtypes_of",
     "no_cuda_reason", "runs_on",
     "CHECKPOINTED", "SDPA_PARAMETERS", "CausalMask", "NotRouted", "SdpaLimits", "SdpaRouter", "TensorMeta", "constant",
     "describe",

@@ -8,8 +8,10 @@ from typing import Optional
 import torch
 
 HEAD_DIM = 128
-ABI_VERSION = 5      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
-FEATURE_CAUSAL, FEATURE_GQA = 1, 2  # bits of flashladder_features() (common/flashladder.cuh)
+ABI_VERSION = 6      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
+FEATURE_CAUSAL, FEATURE_GQA, FEATURE_FP16 = 1, 2, 4  # bits of flashladder_features() (common/flashladder.cuh)
+# FwdParams' and BwdParams' dtype: the code of q's type (FLASHLADDER_BF16, FLASHLADDER_FP16).
+DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
 # The `causal` argument: False (every key), or which corner the diagonal starts from when seqlen_q != seqlen_k:
 # "top_left" (SDPA's is_causal=True: row i sees keys 0..i) or "bottom_right" (torch's causal_lower_right, a KV cache's:
 # the last row sees every key). The op takes the code below; the kernel gets an offset instead (make_params: 0, or
@@ -29,6 +31,7 @@ class FwdParams(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("heads_k", ctypes.c_int32), ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
         ("workspace", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
     ]
 
 
@@ -44,7 +47,7 @@ class BwdParams(ctypes.Structure):
         ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("heads_k", ctypes.c_int32), ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
-        ("deterministic", ctypes.c_int32),
+        ("deterministic", ctypes.c_int32), ("dtype", ctypes.c_int32),
     ]
 
 
@@ -106,7 +109,8 @@ def make_params(q, k, v, o, lse, scale: float, causal: int = 0, workspace: Optio
     offset = k.shape[2] - q.shape[2] if causal == CAUSAL["bottom_right"] else 0
     return FwdParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                      strides(q), strides(k), strides(v), strides(o),
-                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset, workspace)
+                     q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset, workspace,
+                     DTYPE_CODE[q.dtype])
 
 
 def make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale: float, causal: int = 0,
@@ -123,4 +127,4 @@ def make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale: float
                      dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                      *(strides(t) for t in (q, k, v, o, d_o, dq, dk, dv)),
                      q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset,
-                     int(bool(deterministic)))
+                     int(bool(deterministic)), DTYPE_CODE[q.dtype])

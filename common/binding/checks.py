@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .abi import CAUSAL, FEATURE_CAUSAL, FEATURE_GQA, HEAD_DIM, kernel_strides
+from .abi import CAUSAL, FEATURE_CAUSAL, FEATURE_FP16, FEATURE_GQA, HEAD_DIM, kernel_strides
 
 MAX_GRID_YZ = 65535  # heads and batch are the grid's y and z dimensions
 MAX_ROW_STRIDE = 2**24  # in-tile offsets (row < 128) * row stride stay below 2^31
@@ -72,6 +72,11 @@ def check_scale(step: str, scale: float) -> None:
         raise ValueError(f"flashladder.{step}: scale {scale!r} rounds to 0 in float32 (the kernels take a float32 scale)")
 
 
+def dtypes_of(features: int) -> tuple:
+    """The input types a step takes: bf16, and fp16 where it has FEATURE_FP16 (O comes in q's type, the LSE in fp32)."""
+    return (torch.bfloat16, torch.float16) if features & FEATURE_FP16 else (torch.bfloat16,)
+
+
 def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, devices=("cuda",), features: int = 0) -> None:
     """Everything about the tensors' metadata that the kernel relies on. Raises, naming the problem.
 
@@ -81,13 +86,18 @@ def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, d
     """
     where = f"flashladder.{step}"
     named = {"q": q, "k": k, "v": v}
+    dtypes = dtypes_of(features)
     for name, t in named.items():
         if t.dim() != 4:
             raise ValueError(f"{where}: {name} must be 4-D [batch, heads, seqlen, {HEAD_DIM}], got shape {tuple(t.shape)}")
-        if t.dtype != torch.bfloat16:
-            raise TypeError(f"{where}: {name} has dtype {t.dtype}; flashladder computes in torch.bfloat16 only")
+        if t.dtype not in dtypes:
+            takes = " or ".join(map(str, dtypes)) if len(dtypes) > 1 else f"{dtypes[0]} only"
+            later = " (fp16: step40 on)" if t.dtype == torch.float16 else ""
+            raise TypeError(f"{where}: {name} has dtype {t.dtype}; this step computes in {takes}{later}")
         if t.shape[-1] != HEAD_DIM:
             raise ValueError(f"{where}: head dim must be {HEAD_DIM}, {name} has shape {tuple(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"{where}: q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"{where}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if features & FEATURE_GQA:  # grouped heads: k/v's heads divide q's
@@ -115,8 +125,8 @@ def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, d
                              "and the other strides multiples of 8 elements (16 bytes); call .contiguous() first")
     tensors = dict(named)
     if o is not None:
-        if o.shape != q.shape or o.dtype != torch.bfloat16 or not o.is_contiguous():
-            raise ValueError(f"{where}: o must be a contiguous bf16 tensor of q's shape {tuple(q.shape)}, "
+        if o.shape != q.shape or o.dtype != q.dtype or not o.is_contiguous():
+            raise ValueError(f"{where}: o must be a contiguous tensor of q's dtype and shape ({q.dtype}, {tuple(q.shape)}), "
                              f"got {o.dtype} {tuple(o.shape)} strides {o.stride()}")
         if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous():
             raise ValueError(f"{where}: lse must be a contiguous float32 tensor of shape {tuple(q.shape[:3])}, "
@@ -131,13 +141,13 @@ def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, d
 
 def check_backward(step: str, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, devices=("cuda",)) -> None:
     """The backward's tensors beside the forward's q, k, v (check_inputs has seen those): o and d_o of q's shape, dq,
-    dk and dv of q's, k's and v's, all bf16 with a contiguous last dim; lse and d_lse (None: no gradient reaches the
+    dk and dv of q's, k's and v's, all of q's dtype with a contiguous last dim; lse and d_lse (None: no gradient reaches the
     LSE) float32 [batch, heads, seqlen_q], contiguous; all on q's device. Raises, naming the problem."""
     where = f"flashladder.{step}"
     for name, t, like in (("o", o, q), ("d_o", d_o, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if t.shape != like.shape or t.dtype != torch.bfloat16 or t.stride(-1) != 1 or 0 in t.stride():
-            raise ValueError(f"{where}: {name} must be a bf16 tensor of shape {tuple(like.shape)} with a contiguous last "
-                             f"dim, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        if t.shape != like.shape or t.dtype != q.dtype or t.stride(-1) != 1 or 0 in t.stride():
+            raise ValueError(f"{where}: {name} must be a {q.dtype} tensor of shape {tuple(like.shape)} with a contiguous "
+                             f"last dim, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
     for name, t in (("lse", lse), ("d_lse", d_lse)):
         if t is not None and (t.shape != q.shape[:3] or t.dtype != torch.float32 or not t.is_contiguous()):
             raise ValueError(f"{where}: {name} must be a contiguous float32 tensor of shape {tuple(q.shape[:3])}, "

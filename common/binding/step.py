@@ -84,6 +84,7 @@ class Step:
                      "workspace": self.workspace_bytes is not None,
                      "archs": self.archs, "runs_on": checks.runs_on(self.archs), "smem_bytes": self.smem_bytes,
                      "causal": bool(self.features & FEATURE_CAUSAL), "gqa": bool(self.features & FEATURE_GQA),
+                     "dtypes": [str(t).removeprefix("torch.") for t in checks.dtypes_of(self.features)],
                      "backward": self.has_backward,
                      "backward_deterministic": (None if not self.has_backward
                                                 else "on request" if self.bwd_accumulates_dq else "always"),
@@ -99,12 +100,12 @@ class Step:
         """O = softmax(q k^T * scale + mask) v and LSE = logsumexp(q k^T * scale + mask) (natural log).
 
         q: bf16 [batch, heads, seqlen_q, 128]; k, v: bf16 [batch, heads_k, seqlen_k, 128], on one GPU that the step
-        runs on (info["archs"]); heads_k = heads, or (info["gqa"]) a divisor of it: query head h reads key/value head
-        h // (heads // heads_k).
+        runs on (info["archs"]); fp16 as well where info["dtypes"] says so (q, k and v of one type); heads_k = heads,
+        or (info["gqa"]) a divisor of it: query head h reads key/value head h // (heads // heads_k).
         causal (info["causal"]): False, or the diagonal's corner: "top_left" (SDPA's is_causal=True: row i sees keys
         0..i) or "bottom_right" (torch's causal_lower_right: row i sees keys 0..i + seqlen_k - seqlen_q). A row that
         sees no key gets o = 0 and lse = -inf.
-        Returns (o: bf16 [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]); o laid out in memory
+        Returns (o: q's dtype [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]); o laid out in memory
         as q is (a [batch, seqlen, heads, 128] tensor transposed gives o the same; output_like).
         scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
         Gradients (info["backward"]): torch's autograd reaches q, k and v through o and lse (the step's backward);
@@ -121,14 +122,14 @@ class Step:
 
     def attention_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                       scale: Optional[float] = None, causal=False) -> None:
-        """attention(), writing into caller-provided contiguous o (bf16) and lse (float32)."""
+        """attention(), writing into caller-provided contiguous o (q's dtype) and lse (float32)."""
         scale = checks.check_types(self.step, scale, q=q, k=k, v=v, o=o, lse=lse)
         self.fwd_out(q, k, v, o, lse, scale, checks.check_causal(self.step, causal, self.features))
 
     def sdpa(self, strict: bool = False, gradients: bool = True) -> SdpaRouter:
         """A drop-in for torch's SDPA: `with sdpa() as r: model(x)` sends each torch.nn.functional.scaled_dot_product_attention
-        call that this step can take (CUDA, bf16, head dim 128, [batch, heads, seqlen, 128] with a contiguous last dim,
-        equal heads (or, info["gqa"], fewer key/value heads with enable_gqa=True), no mask (info["causal"]: but
+        call that this step can take (CUDA, bf16 (info["dtypes"]: fp16 too), head dim 128, [batch, heads, seqlen, 128]
+        with a contiguous last dim, equal heads (or, info["gqa"], fewer key/value heads with enable_gqa=True), no mask (info["causal"]: but
         is_causal=True or torch's causal bias), no dropout, no gradients needed (info["backward"]: gradients too, unless
         gradients=False, which leaves those calls, forward and backward, to torch), `scale` any positive float, the
         seqlens this step takes, a GPU it runs on) to it, and every other call to torch unchanged. r.routed counts the

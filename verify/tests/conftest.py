@@ -23,6 +23,14 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("step", selected_steps())
 
 
+@pytest.fixture(params=["bfloat16", "float16"])
+def dtype(request, mod):
+    """The inputs' type of a numerics test: bf16, then fp16 for the steps that take it (info["dtypes"], step40 on)."""
+    if request.param not in mod.info["dtypes"]:
+        pytest.skip(f"{mod.__name__} computes in {' and '.join(mod.info['dtypes'])}")
+    return getattr(pytest.importorskip("torch"), request.param)
+
+
 @pytest.fixture(scope="session")
 def built():
     """Compile the selected steps once per session (nvcc; cached by content in build/dev)."""

@@ -12,7 +12,8 @@ written into NaN-poisoned buffers (the backward op called directly), so an eleme
 non-finite. The cases: ragged lengths (1, 127, 129, 1000), seqlen_q != seqlen_k, both causal corners (rows that see
 no key: zero gradients), grouped (32/8) and multi-query heads (dK, dV summed over the query heads that read them),
 large V and peaked logits, strided and fused-QKV views, a gradient into the LSE, two calls bitwise equal. Each way
-of being wrong that the judge must see (CORRUPTIONS) is shown to fail it.
+of being wrong that the judge must see (CORRUPTIONS) is shown to fail it. A step that takes fp16 (info["dtypes"]:
+step40) is judged in fp16 too, against a plain fp16 implementation (P rounded to fp16) and floors of fp16 roundings.
 """
 import math
 
@@ -29,6 +30,8 @@ GRADS = ("dq", "dk", "dv")
 FACTOR = 2.0            # the step's error may be this many times the plain bf16 implementation's
 FLOOR_MAX = 2.0**-8     # plus this much of the gradient's largest |element| (one or two bf16 roundings of it) ...
 FLOOR_FROB = 2.0**-9    # ... and this much relative Frobenius error
+# The same floors for fp16 gradients: 3 more bits of precision than bf16, so 8x smaller.
+FLOORS = {torch.bfloat16: (FLOOR_MAX, FLOOR_FROB), torch.float16: (FLOOR_MAX / 8, FLOOR_FROB / 8)}
 # Subtracted from each element's error first: 16 fp32 ulps of the sum of |terms| behind the element (magnitudes_of),
 # which no cancellation shrinks. Where the gradient is not a cancellation, this is far below a bf16 rounding of it.
 FP32_FLOOR = 2.0**-20
@@ -111,17 +114,19 @@ def magnitudes_of(q, k, v, d_o, d_lse, scale, causal):
 
 
 class Case:
-    """Inputs, dO (and dLSE), the float64 reference's gradients and the plain bf16 implementation's errors."""
+    """Inputs, dO (and dLSE), the float64 reference's gradients and the plain implementation's errors, all in the
+    inputs' dtype (bf16, or fp16)."""
 
     def __init__(self, label, q, k, v, causal=False, with_d_lse=False, scale=DEFAULT_SCALE):
         self.label, self.q, self.k, self.v, self.causal, self.scale = label, q, k, v, causal, scale
         gen = torch.Generator(device="cpu").manual_seed(run_seed() + q.shape[2] * 7919 + k.shape[2])
-        self.d_o = torch.randn(q.shape, generator=gen).to(q.device, torch.bfloat16)
+        self.d_o = torch.randn(q.shape, generator=gen).to(q.device, q.dtype)
         self.d_lse = torch.randn(q.shape[:3], generator=gen).to(q.device) if with_d_lse else None
         self.ref = grads_of(*(t.double() for t in (q, k, v)), self.d_o.double(),
                             None if self.d_lse is None else self.d_lse.double(), scale, causal)
         self.magnitudes = magnitudes_of(q, k, v, self.d_o, self.d_lse, scale, causal)
-        plain = grads_of(q, k, v, self.d_o, self.d_lse, scale, causal, p_dtype=torch.bfloat16)
+        plain = grads_of(q, k, v, self.d_o, self.d_lse, scale, causal, p_dtype=q.dtype)
+        self.floor_max, self.floor_frob = FLOORS[q.dtype]
         self.plain = [self.errors(name, g) for name, g in zip(GRADS, plain)]
 
     def errors(self, name, got):
@@ -139,13 +144,13 @@ class Case:
                 bad.append(f"{name}: {nonfinite} non-finite elements (NaN-poisoned and not written, or NaN/Inf computed)")
                 continue
             err = self.errors(name, got)
-            floor = FLOOR_MAX * err["ref_max"]
+            floor, kind = self.floor_max * err["ref_max"], str(self.q.dtype).removeprefix("torch.")
             if not err["max_abs"] <= FACTOR * plain["max_abs"] + floor:
-                bad.append(f"{name}: max error {err['max_abs']:.3g} > {FACTOR:g} x plain bf16's {plain['max_abs']:.3g} "
+                bad.append(f"{name}: max error {err['max_abs']:.3g} > {FACTOR:g} x plain {kind}'s {plain['max_abs']:.3g} "
                            f"+ {floor:.3g}")
-            if not err["rel_frob"] <= FACTOR * plain["rel_frob"] + FLOOR_FROB:
-                bad.append(f"{name}: relative Frobenius error {err['rel_frob']:.3g} > {FACTOR:g} x plain bf16's "
-                           f"{plain['rel_frob']:.3g} + {FLOOR_FROB:g}")
+            if not err["rel_frob"] <= FACTOR * plain["rel_frob"] + self.floor_frob:
+                bad.append(f"{name}: relative Frobenius error {err['rel_frob']:.3g} > {FACTOR:g} x plain {kind}'s "
+                           f"{plain['rel_frob']:.3g} + {self.floor_frob:g}")
         return bad
 
 
@@ -186,38 +191,38 @@ CASES = [
 
 
 @pytest.mark.parametrize("shape", CASES, ids=lambda c: "x".join(map(str, c[:5])) + (f"-{c[5]}" if c[5] else ""))
-def test_backward_against_float64(bwd_mod, shape):
+def test_backward_against_float64(bwd_mod, shape, dtype):
     batch, heads, heads_k, nq, nk, causal = shape
-    q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k)
+    q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k, dtype=dtype)
     case = Case(f"{shape}", q, k, v, causal)
     assert_passes(bwd_mod, case, run_backward(bwd_mod, case))
 
 
 @pytest.mark.parametrize("kind", ["large_v", "peaked"])
 @pytest.mark.parametrize("causal", [False, "bottom_right"])
-def test_backward_adversarial(bwd_mod, kind, causal):
+def test_backward_adversarial(bwd_mod, kind, causal, dtype):
     """V 30x larger (large gradients into P); Q and K scaled so that each row's softmax is nearly one-hot."""
-    q, k, v = make_inputs(1, 2, 256, 320)
+    q, k, v = make_inputs(1, 2, 256, 320, dtype=dtype)
     if kind == "large_v":
-        v = (v.float() * 30).to(torch.bfloat16)
+        v = (v.float() * 30).to(dtype)
     else:
-        q, k = ((t.float() * 3).to(torch.bfloat16) for t in (q, k))
+        q, k = ((t.float() * 3).to(dtype) for t in (q, k))
     case = Case(kind, q, k, v, causal)
     assert_passes(bwd_mod, case, run_backward(bwd_mod, case))
 
 
-def test_backward_with_a_gradient_into_the_lse(bwd_mod):
+def test_backward_with_a_gradient_into_the_lse(bwd_mod, dtype):
     """A loss that reads the LSE too (dLSE != 0): dS gains P dLSE."""
-    q, k, v = make_inputs(1, 2, 200, 250)
+    q, k, v = make_inputs(1, 2, 200, 250, dtype=dtype)
     case = Case("d_lse", q, k, v, "bottom_right", with_d_lse=True)
     assert_passes(bwd_mod, case, run_backward(bwd_mod, case))
 
 
-def test_autograd_through_attention(bwd_mod):
+def test_autograd_through_attention(bwd_mod, dtype):
     """attention() is differentiable: torch.autograd.grad of a loss on (o, lse) gives the reference's gradients,
     for strided q, k, v (a [batch, seqlen, heads, 128] tensor transposed, as models pass it) and a fused QKV view."""
     b, n, h = 2, 192, 4
-    qkv = make_inputs(b, 3 * h, n, n)[0].transpose(1, 2).contiguous()  # [b, n, 3h, 128]
+    qkv = make_inputs(b, 3 * h, n, n, dtype=dtype)[0].transpose(1, 2).contiguous()  # [b, n, 3h, 128]
     q, k, v = qkv.transpose(1, 2).split(h, dim=1)                      # views of one buffer, strided
     case = Case("fused qkv", q, k, v, "top_left", with_d_lse=True)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -230,13 +235,13 @@ def test_autograd_through_attention(bwd_mod):
 @pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
 @pytest.mark.parametrize("shape", [(1, 8, 300, 300, 2), (2, 4, 1000, 1100, 2), (1, 4, 1100, 1000, 2)],
                          ids=["300", "1000x1100", "1100x1000"])
-def test_the_backward_is_deterministic(bwd_mod, causal, shape):
+def test_the_backward_is_deterministic(bwd_mod, causal, shape, dtype):
     """deterministic=True: two calls give the same bits, and pass the judge (a step whose fast way adds dQ up in any
     order takes another way for it: info["backward_deterministic"] == "on request"). At 1000 x 1100 nine key tiles
     add to each query tile's dQ: there the fast way's bits vary from call to call. Both causal corners with more keys
     than queries and fewer: the key tiles that add to a query tile, whose turns step39 counts from the last, differ."""
     batch, heads, seqlen_q, seqlen_k, heads_k = shape
-    q, k, v = make_inputs(batch, heads, seqlen_q, seqlen_k, heads_k=heads_k)
+    q, k, v = make_inputs(batch, heads, seqlen_q, seqlen_k, heads_k=heads_k, dtype=dtype)
     case = Case("determinism", q, k, v, causal)
     first, second = run_backward(bwd_mod, case, True), run_backward(bwd_mod, case, True)
     for name, a, b in zip(GRADS, first, second):
@@ -313,8 +318,8 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
-def test_the_judge_rejects_wrong_gradients(bwd_mod, kind):
-    q, k, v = make_inputs(1, 8, 160, 192, heads_k=2)
+def test_the_judge_rejects_wrong_gradients(bwd_mod, kind, dtype):
+    q, k, v = make_inputs(1, 8, 160, 192, heads_k=2, dtype=dtype)
     case = Case(kind, q, k, v, "top_left")
     grads = run_backward(bwd_mod, case)
     assert not case.failures(grads), "the step's own gradients must pass before the corrupted ones are judged"

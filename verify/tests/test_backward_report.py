@@ -100,8 +100,8 @@ def test_flashattention_4_is_optional_and_called_in_its_own_layout(monkeypatch):
 def test_the_grouped_heads_pass_is_named_and_labelled_as_the_forwards():
     """The third pass: causal with Llama-3-8B's 32 query heads over 8 key/value heads, rows ending in _gqa, SDPA given
     enable_gqa=True; the table labels them and its note says what they are."""
-    suffix, causal, heads, heads_kv = backward_timing.PASSES[2]
-    assert (suffix, causal, heads, heads_kv) == ("_gqa", True, 32, 8)
+    suffix, causal, heads, heads_kv, dtype = backward_timing.PASSES[2]
+    assert (suffix, causal, heads, heads_kv, dtype) == ("_gqa", True, 32, 8, "bfloat16")
     assert set(backward_timing.implementations({}, True, None, "_gqa")) == {"sdpa_cudnn_bwd_gqa", "sdpa_flash_bwd_gqa"}
     cell = lambda tf: {"4096": {"tflops": tf}}  # noqa: E731
     run = {"backward": {"step": "step26", "seqlens": [4096], "timings": {
@@ -110,3 +110,20 @@ def test_the_grouped_heads_pass_is_named_and_labelled_as_the_forwards():
     assert rows["step26_bwd_gqa"]["label"] == "step26 GQA, 32/8 heads"
     assert rows["step26_bwd_gqa"]["vs_cudnn"] == {4096: 0.25}
     assert "32 query heads over 8 key/value heads" in report.backward_note(run)
+
+
+def test_the_fp16_passes_are_named_and_labelled_as_the_forwards():
+    """The fourth and fifth passes: the dense and causal calls in fp16, rows ending in _fp16 and _fp16_causal (as the
+    forward's breadth tables name theirs), for the steps that take fp16 alone; the table labels them, the note says so."""
+    assert [p[0] for p in backward_timing.PASSES[3:]] == ["_fp16", "_fp16_causal"]
+    assert [(p[1], p[4]) for p in backward_timing.PASSES[3:]] == [(False, "float16"), (True, "float16")]
+    cell = lambda tf: {"4096": {"tflops": tf}}  # noqa: E731
+    run = {"backward": {"step": "step40", "seqlens": [4096], "timings": {
+        "step40_bwd": cell(500.0), "step40_bwd_fp16": cell(490.0), "sdpa_cudnn_bwd_fp16": cell(245.0),
+        "step40_bwd_fp16_causal": cell(450.0), "sdpa_cudnn_bwd_fp16_causal": cell(300.0)}}}
+    rows = {r["impl"]: r for r in report.backward_rows(run)}
+    assert rows["step40_bwd_fp16"]["label"] == "step40 fp16" and rows["step40_bwd_fp16"]["vs_cudnn"] == {4096: 2.0}
+    assert rows["step40_bwd_fp16_causal"]["label"] == "step40 fp16 causal"
+    assert rows["step40_bwd_fp16_causal"]["vs_cudnn"] == {4096: 1.5}
+    assert rows["step40_bwd"]["vs_cudnn"] == {4096: None}  # no bf16 cuDNN row in this run: not the fp16 one
+    assert "in fp16" in report.backward_note(run)

@@ -361,3 +361,46 @@ def test_run_times_the_causal_table_on_the_gpu():
         assert cell["tflops"] == pytest.approx(bench.causal_flops(batch, heads, n) / (cell["median_ms"] * 1e-3) / 1e12)
         for name in names[1:]:
             assert out["timings"][name].get(4096) or 4096 in out["not_timed"].get(name, {}) or name in out["unavailable"], name
+
+
+# ---- the breadth tables (step40 on: fp16) ----
+
+def test_the_breadth_rows_and_their_method():
+    assert bench.breadth_names("step40", ["fp16"]) == {
+        "fp16": ["step40_fp16", "sdpa_cudnn_fp16", "fa3_fp16"],
+        "fp16_causal": ["step40_fp16_causal", "sdpa_cudnn_fp16_causal", "fa3_fp16_causal"]}
+    step = bench.BreadthStep("step40", object(), ("fp16",))
+    method = bench.breadth_method(step, [4096, 8192])
+    assert method["step"] == "step40" and method["seqlens"] == [4096, 8192]
+    assert method["rows"] == bench.breadth_names("step40", ["fp16"])
+    assert method["tables"] == {"fp16": {"dtype": "float16", "head_dim": 128, "heads": 16}}
+    torch = pytest.importorskip("torch")
+    assert all(isinstance(getattr(torch, dtype), torch.dtype) for dtype in bench.BREADTH_TABLES.values())
+
+
+def test_the_breadth_rows_call_what_the_table_says():
+    torch = pytest.importorskip("torch")
+    got = []
+    step = bench.BreadthStep("step40", lambda q, k, v, causal=False: got.append(("step", q.dtype, causal)), ("fp16",))
+
+    def fa3(q, k, v, scale=None, causal=False):
+        got.append(("fa3", q.dtype, causal, q.transpose(1, 2).is_contiguous()))
+    q = torch.zeros(1, 2, 8, 128, dtype=torch.float16)
+    for table, mask in (("fp16", False), ("fp16_causal", "top_left")):
+        fns = bench.breadth_fns(table, q, q, q, step, fa3)
+        assert list(fns) == bench.breadth_names("step40", ["fp16"])[table]
+        fns[f"step40_{table}"]()
+        fns[f"fa3_{table}"]()
+        assert got[-2:] == [("step", torch.float16, mask), ("fa3", torch.float16, mask, True)]
+        assert "No viable backend" in bench.refusal(fns[f"sdpa_cudnn_{table}"])  # CPU tensors: said, never rerouted
+    assert list(bench.breadth_fns("fp16", q, q, q, step, None)) == ["step40_fp16", "sdpa_cudnn_fp16"]
+
+
+def test_the_breadth_tables_step_is_the_last_that_takes_fp16():
+    import types
+
+    from verify import __main__ as verify_main
+    mod = lambda dtypes: types.SimpleNamespace(info={"dtypes": dtypes}, attention=object())  # noqa: E731
+    modules = {"step39": mod(["bfloat16"]), "step40": mod(["bfloat16", "float16"]), "step41": mod(["bfloat16"])}
+    assert verify_main.breadth_step(modules) == bench.BreadthStep("step40", modules["step40"].attention, ("fp16",))
+    assert verify_main.breadth_step({"step39": mod(["bfloat16"])}) is None and verify_main.breadth_step({}) is None

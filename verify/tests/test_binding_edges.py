@@ -178,24 +178,32 @@ def test_kernel_strides_of_size_one_dims(mod):
 # ---------------------------------------------------------------- causal masks and grouped heads
 
 def test_a_step_s_features_are_its_library_s(mod):
-    """info["causal"] and info["gqa"] are the bits of the library's flashladder_features; a library without that
-    export (steps 01-14) takes neither."""
+    """info["causal"], info["gqa"] and info["dtypes"] are the bits of the library's flashladder_features; a library
+    without that export (steps 01-14) takes none of them; fp16 comes in step40."""
     binding = mod._binding
     lib = binding.load_library(Path(mod.info["library"]))
     features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
     assert (mod.info["causal"], mod.info["gqa"]) == (bool(features & binding.FEATURE_CAUSAL), bool(features & binding.FEATURE_GQA))
-    assert features & ~(binding.FEATURE_CAUSAL | binding.FEATURE_GQA) == 0, f"unknown feature bits {features:#x}"
+    assert mod.info["dtypes"] == (["bfloat16", "float16"] if features & binding.FEATURE_FP16 else ["bfloat16"])
+    known = binding.FEATURE_CAUSAL | binding.FEATURE_GQA | binding.FEATURE_FP16
+    assert features & ~known == 0, f"unknown feature bits {features:#x}"
     assert mod.sdpa().limits.features == features
     if int(mod.info["step"][4:]) < 15:
         assert features == 0 and not hasattr(lib, "flashladder_features"), mod.info["step"]
+    assert bool(features & binding.FEATURE_FP16) == (int(mod.info["step"][4:]) >= 40), mod.info["step"]
 
 
 def test_the_params_mirror_puts_the_new_fields_after_the_scale():
-    """FwdParams' ABI-4 fields follow `scale` in the C struct's order, each an int32, and ABI 5's workspace pointer
-    follows them, 8-byte aligned as the C compiler puts it (the library checks the size only)."""
+    """FwdParams' ABI-4 fields follow `scale` in the C struct's order, each an int32, ABI 5's workspace pointer
+    follows them, 8-byte aligned as the C compiler puts it (the library checks the size only), and ABI 6's dtype, an
+    int32, comes last (in BwdParams too)."""
     import binding
     names = [name for name, _ in binding.FwdParams._fields_]
-    assert names[-5:] == ["scale", "heads_k", "causal", "causal_offset", "workspace"]
+    assert names[-6:] == ["scale", "heads_k", "causal", "causal_offset", "workspace", "dtype"]
+    assert dict(binding.FwdParams._fields_)["dtype"] is ctypes.c_int32
+    assert binding.FwdParams.dtype.offset == binding.FwdParams.workspace.offset + 8
+    assert binding.abi.BwdParams._fields_[-2:] == [("deterministic", ctypes.c_int32), ("dtype", ctypes.c_int32)]
+    assert binding.DTYPE_CODE == {torch.bfloat16: 0, torch.float16: 1}  # FLASHLADDER_BF16, FLASHLADDER_FP16
     assert all(getattr(binding.FwdParams, f).offset == binding.FwdParams.scale.offset + 4 * (i + 1)
                for i, f in enumerate(("heads_k", "causal", "causal_offset")))
     assert all(dict(binding.FwdParams._fields_)[f] is ctypes.c_int32 for f in ("heads_k", "causal", "causal_offset"))
@@ -405,9 +413,9 @@ def test_a_step_without_a_backward_says_so(mod):
 
 
 @pytest.mark.parametrize("bad, says", [
-    ("d_o", "d_o must be a bf16 tensor of shape"),
+    ("d_o", "d_o must be a torch.bfloat16 tensor of shape"),
     ("d_lse", "d_lse must be a contiguous float32 tensor"),
-    ("dk", "dk must be a bf16 tensor of shape"),
+    ("dk", "dk must be a torch.bfloat16 tensor of shape"),
 ])
 def test_the_backward_op_checks_its_tensors(mod, bad, says):
     if not mod.info["backward"]:

@@ -73,13 +73,15 @@ def test_limits_follow_the_yardstick():
 
 def rounded_reference(case):
     """The float64 reference rounded to the outputs' dtypes: a correct output, as good as it can be."""
-    return torch.from_numpy(case.o_ref).to(torch.bfloat16), torch.from_numpy(case.lse_ref).to(torch.float32)
+    return torch.from_numpy(case.o_ref).to(case.q.dtype), torch.from_numpy(case.lse_ref).to(torch.float32)
 
 
-@pytest.fixture(scope="module", params=[(1.0, None), (10.0, None), (1.0, 0.3)], ids=["x1", "x10", "x1-scale0.3"])
+@pytest.fixture(scope="module", params=[(1.0, None, torch.bfloat16), (10.0, None, torch.bfloat16), (1.0, 0.3, torch.bfloat16),
+                                        (1.0, None, torch.float16), (10.0, None, torch.float16)],
+                ids=["x1", "x10", "x1-scale0.3", "fp16-x1", "fp16-x10"])
 def cpu_case(request):
-    factor, scale = request.param
-    return prepare(*make_inputs(2, 3, 128, 192, factor=factor, device="cpu"), scale=scale)
+    factor, scale, dtype = request.param
+    return prepare(*make_inputs(2, 3, 128, 192, factor=factor, device="cpu", dtype=dtype), scale=scale)
 
 
 def test_correct_output_passes(cpu_case):
@@ -94,11 +96,13 @@ def test_one_corrupted_row_is_rejected(cpu_case, kind):
     assert any(CORRUPTIONS[kind] in b for b in bad), f"{kind} not rejected: {bad}; {replay()}"
 
 
-def tiled_attention_fp32(q, k, v, scale, tile_k, threshold=None):
+def tiled_attention_fp32(q, k, v, scale, tile_k, threshold=None, rounding=None):
     """A kernel in the precision class, on the CPU: online softmax over K tiles in fp32 (running max, alpha
-    rescales), exp2 with the scale folded in, P rounded to bf16 for P.V, l from fp32 P, O = acc / l in bf16.
-    threshold: FlashAttention-4's conditional rescale (steps 13-14): the shift moves only when a tile's max
-    passes it by more than this (log2 units), so P runs up to 2^threshold."""
+    rescales), exp2 with the scale folded in, P rounded to the inputs' dtype (or `rounding`) for P.V, l from fp32 P,
+    O = acc / l in that dtype, returned in the inputs'. threshold: FlashAttention-4's conditional rescale (steps
+    13-14): the shift moves only when a tile's max passes it by more than this (log2 units), so P runs up to
+    2^threshold."""
+    dtype, rounding = q.dtype, rounding or q.dtype
     q, k, v = q.float(), k.float(), v.float()
     scale_log2 = scale * math.log2(math.e)
     m = torch.full(q.shape[:-1], -math.inf)
@@ -111,15 +115,27 @@ def tiled_attention_fp32(q, k, v, scale, tile_k, threshold=None):
         alpha = torch.exp2((m - m_new) * scale_log2)
         p = torch.exp2((s - m_new[..., None]) * scale_log2)
         l_i = alpha * l_i + p.sum(-1)
-        acc = alpha[..., None] * acc + p.to(torch.bfloat16).float() @ v[..., j:j + tile_k, :]
+        acc = alpha[..., None] * acc + p.to(rounding).float() @ v[..., j:j + tile_k, :]
         m = m_new
-    return (acc / l_i[..., None]).to(torch.bfloat16), m * scale + torch.log(l_i)
+    return (acc / l_i[..., None]).to(rounding).to(dtype), m * scale + torch.log(l_i)
 
 
 @pytest.mark.parametrize("threshold", [None, 8.0], ids=["running-max", "fa4-rescale"])
 def test_a_kernel_in_the_class_passes(cpu_case, threshold):
     err = errors_of(cpu_case, *tiled_attention_fp32(cpu_case.q, cpu_case.k, cpu_case.v, cpu_case.scale, 64, threshold))
     assert not err.failures(), f"{err.failures()} ({err}); {replay()}"
+
+
+def test_the_fp16_verdict_rejects_bf16_precision():
+    """fp16 inputs are judged in fp16's class (the yardstick rounds P and O to fp16, P_ROUNDING 2^-11): the same
+    kernel-like computation passes with P and O in fp16 and fails with them in bf16, 3 bits coarser (a step that
+    computes fp16 calls in bf16 somewhere)."""
+    for factor in (1.0, 10.0):
+        case = prepare(*make_inputs(2, 3, 128, 192, factor=factor, device="cpu", dtype=torch.float16))
+        good = errors_of(case, *tiled_attention_fp32(case.q, case.k, case.v, case.scale, 64))
+        assert not good.failures(), f"x{factor}: {good.failures()}; {replay()}"
+        bad = errors_of(case, *tiled_attention_fp32(case.q, case.k, case.v, case.scale, 64, rounding=torch.bfloat16))
+        assert any("O error" in b for b in bad.failures()), f"x{factor}: bf16 precision passed the fp16 verdict; {replay()}"
 
 
 # Peaked rows (scale 0.3, the shape of test_steps_gpu.py's test_custom_scale for 128 x 128 tiles): the kernel-like

@@ -265,7 +265,7 @@ FALLS_BACK = {
     "debug mask": (lambda q, k, v: ((q, k, v, None, True), {"return_debug_mask": True}),
                    "return_debug_mask=True: the step returns no attention matrix"),
     "fp16": (lambda q, k, v: ((q.half(), k.half(), v.half(), None, True), {}),
-             "q has dtype torch.float16; flashladder computes in torch.bfloat16 only"),
+             "q has dtype torch.float16; this step computes in torch.bfloat16 only (fp16: step40 on)"),
     "head dim 64": (lambda q, k, v: ((q[..., :64], k[..., :64], v[..., :64], None, True), {}),
                     "head dim must be 128, q has shape (1, 2, 40, 64)"),
     "heads differ": (lambda q, k, v: ((q, k[:, :1], v[:, :1], None, True), {}), "2 query heads and 1 key/value heads without enable_gqa"),

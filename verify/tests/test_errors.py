@@ -49,8 +49,18 @@ def expect_out(mod, match, q, k, v, o, lse, exc=ValueError):
 
 
 def test_dtype(mod):
-    q, k, v = qkv(mod, dtype=torch.float16)
-    expect(mod, "dtype torch.float16.*bfloat16", q, k, v, exc=TypeError)
+    """bf16, and fp16 in the steps that take it (info["dtypes"], step40 on); anything else, or a mix, in one line."""
+    if "float16" in mod.info["dtypes"]:
+        q, k, v = qkv(mod, dtype=torch.float32)
+        expect(mod, "q has dtype torch.float32; this step computes in torch.bfloat16 or torch.float16$", q, k, v,
+               exc=TypeError)
+        q, k, v = qkv(mod)
+        expect(mod, "q, k and v must share one dtype, got torch.bfloat16, torch.float16 and torch.bfloat16", q, k.half(),
+               v, exc=TypeError)
+    else:
+        q, k, v = qkv(mod, dtype=torch.float16)
+        expect(mod, r"q has dtype torch.float16; this step computes in torch.bfloat16 only \(fp16: step40 on\)", q, k, v,
+               exc=TypeError)
     q, k, v = qkv(mod)
     expect(mod, "v has dtype torch.float32", q, k, v.float(), exc=TypeError)
 
@@ -230,9 +240,10 @@ def test_out_buffers(mod):
     """attention_out's o and lse: shape, dtype, contiguity (device: test_out_buffer_on_another_device)."""
     q, k, v = qkv(mod)
     o, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    expect_out(mod, "o must be a contiguous bf16 tensor of q's shape", q, k, v, o[:, :1], lse)
-    expect_out(mod, "o must be a contiguous bf16 tensor.*got torch.float16", q, k, v, o.half(), lse)
-    expect_out(mod, "o must be a contiguous bf16 tensor.*strides", q, k, v, o.transpose(1, 2).contiguous().transpose(1, 2), lse)
+    expect_out(mod, "o must be a contiguous tensor of q's dtype and shape", q, k, v, o[:, :1], lse)
+    expect_out(mod, "o must be a contiguous tensor of q's dtype.*got torch.float16", q, k, v, o.half(), lse)
+    expect_out(mod, "o must be a contiguous tensor of q's dtype.*strides", q, k, v,
+               o.transpose(1, 2).contiguous().transpose(1, 2), lse)
     expect_out(mod, "lse must be a contiguous float32 tensor of shape", q, k, v, o, lse[..., :1])
     expect_out(mod, "lse must be a contiguous float32 tensor.*got torch.float64", q, k, v, o, lse.double())
     lse_strided = torch.empty(*q.shape[:2], 2 * q.shape[2], device=q.device)[..., ::2]

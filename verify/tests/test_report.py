@@ -285,3 +285,56 @@ def test_only_steps_keeps_the_peers_and_drops_a_causal_table_whose_step_goes():
     table = report.markdown_table(kept)
     assert "| step15 " in table and "| step16 " not in table and "FlashAttention-3" in table and "causal" not in table
     assert "| step19 causal" in report.markdown_table(run)  # the whole run's table has them
+
+
+# ---- the breadth tables (a step that takes fp16: bench.run's breadth rows) ----
+
+def with_breadth(run, step="step40", fa3=True):
+    """The run (with its causal table) and breadth tables: their rows at the causal N (every figure synthetic)."""
+    seqlens = bench.causal_seqlens(run["seqlens"])
+    for table, impls in bench.breadth_names(step, ["fp16"]).items():
+        for i, impl in enumerate(impls):
+            if impl.startswith("fa3_") and not fa3:
+                continue
+            run["timings"][impl] = {}
+            for n in seqlens:
+                batch, heads, _ = bench.shape_of(n)
+                _, _, cell = timed(quick_fall, timing=QUICK, call_s=FAST_S / (2 + i) * n / seqlens[0])
+                work = (bench.causal_flops if table.endswith("_causal") else bench.flops)(batch, heads, n)
+                run["timings"][impl][str(n)] = bench.with_tflops(cell | {"batch": batch, "heads": heads}, work)
+    run["breadth"] = bench.breadth_method(bench.BreadthStep(step, None, ("fp16",)), seqlens)
+    run["checks"][step] = "passed"
+    return run
+
+
+def test_the_breadth_tables_follow_the_causal_one(tmp_path):
+    run = synthetic_run(bench.SEQLENS_OF_RECORD, steps=("step39", "step40"), peers=("fa3",))
+    run = as_loaded(with_breadth(with_causal(run, step="step40")), tmp_path)
+    markdown = report.markdown_table(run)
+    breadth = markdown.split("\n\n")[-2:]
+    lines = breadth[0].splitlines()
+    assert lines[0] == "| fp16 | N=4K | N=8K | N=16K | × bf16 (4K/8K/16K) | × cuDNN (4K/8K/16K) | × FA3 (4K/8K/16K) |"
+    assert [ln.split(" | ")[0] for ln in lines[2:]] == [
+        "| step40 fp16", "| SDPA cuDNN fp16", "| FlashAttention-3 fp16",
+        "| step40 fp16 causal", "| SDPA cuDNN fp16 causal", "| FlashAttention-3 fp16 causal"]
+    tf = lambda impl, n: report._tf(run, impl, n)  # noqa: E731
+    row = next(ln for ln in lines if ln.startswith("| step40 fp16 causal"))
+    vs_bf16 = " / ".join(f"{tf('step40_fp16_causal', n) / tf('step40_causal', n):.2f}" for n in bench.CAUSAL_SEQLENS)
+    vs_fa3 = " / ".join(f"{tf('step40_fp16_causal', n) / tf('fa3_fp16_causal', n):.2f}" for n in bench.CAUSAL_SEQLENS)
+    cells = " | ".join(f"{tf('step40_fp16_causal', n):.0f}" for n in bench.CAUSAL_SEQLENS)
+    assert row.startswith(f"| step40 fp16 causal | {cells} | {vs_bf16} |"), row
+    assert row.endswith(f"| {vs_fa3} |"), row
+    cudnn = next(ln for ln in lines if ln.startswith("| SDPA cuDNN fp16 |"))
+    vs_bf16 = " / ".join(f"{tf('sdpa_cudnn_fp16', n) / tf('sdpa_cudnn', n):.2f}" for n in bench.CAUSAL_SEQLENS)
+    assert f"| {vs_bf16} |  |" in cudnn, cudnn  # over its own bf16; not over itself
+    assert "× bf16: over the same implementation in bf16" in breadth[1] and "Not timed" not in breadth[1]
+    console = report.console_table(run).split("\n\n")[-1].splitlines()
+    assert console[0].startswith("fp16") and "×bf16(4K/8K/16K)" in console[0] and len(console) == 2 + 6
+    kept = report.only_steps(run, ["step39"])
+    assert "| fp16 |" not in report.markdown_table(kept) and not report.breadth_names(kept)
+
+
+def test_a_run_without_breadth_tables_renders_as_before():
+    run = synthetic_run(bench.SEQLENS_OF_RECORD)
+    assert report.breadth_rows(run) == [] and report.breadth_markdown_table(run) == "" and report.breadth_names(run) == []
+    assert "| fp16 |" not in report.markdown_table(run) and "fp16" not in report.console_table(run)

@@ -831,11 +831,20 @@ def test_causal_deterministic_calls_take_turns_from_the_last_key_tile_step39(cuo
     assert from_last[0]["NANOSLEEP"] == 1 and from_last[0]["STG.E.STRONG.GPU"] == 1, from_last[0]
 
 
+def bf16_builds(opcodes: dict[str, collections.Counter]) -> dict[str, collections.Counter]:
+    """A step's kernels as a step without fp16 names them: from step40 on each kernel is built for bf16 and fp16, its
+    first template argument the type (kernel<__nv_bfloat16, ...>); here its bf16 build alone, that argument dropped."""
+    return {name.replace("I13__nv_bfloat16L", "IL").replace("I13__nv_bfloat16E", "IE"): c
+            for name, c in opcodes.items() if "6__half" not in name}
+
+
 @pytest.mark.parametrize("later", [s for s in steps_mod.all_steps() if int(s[4:]) > 22])
 def test_the_backward_steps_keep_step22s_forward(later, cuobjdump):
     """The backward's steps say their forward is step22's, unchanged (a neighbour diff shows only the backward): each
-    forward kernel compiles to step22's same kernel, opcode for opcode, and the backward's kernels are the only new ones."""
+    forward kernel compiles to step22's same kernel, opcode for opcode, and the backward's kernels are the only new ones.
+    From step40 on, the kernels' bf16 builds (bf16_builds)."""
     ops = kernel_opcodes(cuobjdump, ("step22", later))
+    ops[later] = bf16_builds(ops[later])
     for name in (f"ILb{paired}ELb{split}ELb{causal}EE" for paired in "01" for split, causal in ("00", "10", "01")):
         old, new = kernel(ops["step22"], name), kernel(ops[later], name)
         assert not apart(old, new), f"attention_fwd_kernel{name}: {apart(old, new)}"
@@ -843,3 +852,47 @@ def test_the_backward_steps_keep_step22s_forward(later, cuobjdump):
     assert len(forward(ops["step22"])) == len(forward(ops[later])) == len(ops["step22"]) == 6
     added = [n for n in ops[later] if "attention_fwd_kernel" not in n]
     assert added and all("bwd_" in n for n in added), added
+
+
+# What an fp16 build of a kernel may change of its bf16 build: the MMAs' type (HGMMA's .BF16 suffix; fp16 is the
+# unsuffixed default) and the conversions from fp32 (F2FP.BF16 -> F2FP.F16); the delta kernel's loads become fp16
+# converted by HADD2.F32 (bf16's are shifts): any opcode of its, in the same count.
+def same_but_the_type(bf16: collections.Counter, fp16: collections.Counter) -> collections.Counter:
+    """The opcodes that differ between a kernel's bf16 and fp16 builds once the type's names are taken out."""
+    def untyped(c):
+        return collections.Counter({re.sub(r"\.BF16\b|\.F16\b", "", op): n for op, n in c.items()})
+    return apart(untyped(bf16), untyped(fp16))
+
+
+def comparable(name: str) -> str:
+    """A mangled kernel name without what differs from one library to another (the anonymous namespace's hash, the
+    substitutions' numbers), and a template whose only argument was the type (bf16_builds) as a plain function."""
+    name = re.sub(r"_GLOBAL__N__[0-9a-f]+_\d+_kernel_cu_[0-9a-f]{8}", "", name)
+    return re.sub(r"S\d+_", "S_", name).replace("_kernelIEEv9", "_kernelE9")
+
+
+def test_each_kernel_is_built_for_bf16_and_fp16_step40(cuobjdump):
+    """step40's header says each kernel is built twice, for bf16 and fp16, and only the type changes: the bf16 builds
+    compile to step39's kernels, opcode for opcode; each fp16 build has its bf16 twin's instructions, in number and kind,
+    but for the type of its HGMMAs (all of them) and of its F2FP conversions (all of them); the delta kernel, which
+    loads O and dO, only the same count."""
+    ops = kernel_opcodes(cuobjdump, ("step39", "step40"))
+    bf16 = {comparable(name): c for name, c in bf16_builds(ops["step40"]).items()}
+    step39 = {comparable(name): c for name, c in ops["step39"].items()}
+    assert sorted(bf16) == sorted(step39), (sorted(bf16), sorted(step39))
+    for name, old in step39.items():
+        assert not apart(old, bf16[name]), f"step40's bf16 {name}: {apart(old, bf16[name])}"
+    halves = {name.replace("I6__halfL", "I13__nv_bfloat16L").replace("I6__halfE", "I13__nv_bfloat16E"): c
+              for name, c in ops["step40"].items() if "6__half" in name}
+    assert len(halves) == len(bf16) == 11, sorted(halves)
+    for name, fp16 in halves.items():
+        twin = ops["step40"][name]
+        assert sum(fp16.values()) == sum(twin.values()), f"{name}: {sum(twin.values())} -> {sum(fp16.values())}"
+        if "bwd_delta_kernel" in name:
+            continue
+        assert not same_but_the_type(twin, fp16), f"{name}: {same_but_the_type(twin, fp16)}"
+        for kind in ("HGMMA", "F2FP"):
+            typed = {op: n for op, n in fp16.items() if op.startswith(kind)}
+            assert all(".BF16" not in op for op in typed), f"{name}: bf16 {kind} in the fp16 build: {typed}"
+            assert sum(typed.values()) == sum(n for op, n in twin.items() if op.startswith(kind)), (name, kind)
+        assert sum(n for op, n in twin.items() if op.startswith("HGMMA") or op.startswith("F2FP")) > 0, name

@@ -100,7 +100,7 @@ FALLS_BACK = {
     "causal bias, upper left": (lambda: (qkv(), {"attn_mask": causal_upper_left(128, 128)}), "cuda:0",
                                 "attn_mask is a causal bias (top_left): the step is non-causal"),
     "fp16": (lambda: (qkv(dtype=torch.float16), {}), "cuda:0",
-             "q has dtype torch.float16; flashladder computes in torch.bfloat16 only"),
+             "q has dtype torch.float16; this step computes in torch.bfloat16 only (fp16: step40 on)"),
     "head dim 64": (lambda: (qkv(d=64), {}), "cuda:0", "head dim must be 128, q has shape (1, 2, 128, 64)"),
     "3-D": (lambda: ((meta(2, 128, 128),) * 3, {}), "cuda:0",
             "q must be 4-D [batch, heads, seqlen, 128], got shape (2, 128, 128)"),
@@ -371,7 +371,7 @@ def test_a_call_that_falls_back_is_torch_s_own():
     assert CALLS["stand_in"] == before, "a call that falls back reached the op"
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert r.routed == 0 and r.fallbacks == collections.Counter({
-        "q has dtype torch.float32; flashladder computes in torch.bfloat16 only": 1,
+        "q has dtype torch.float32; this step computes in torch.bfloat16 only": 1,
         "attn_mask is given: the step takes no mask": 1,
         "is_causal=True: the step is non-causal": 1})
 
@@ -646,7 +646,7 @@ def test_dynamic_shapes_are_made_static_for_the_decision(fresh_compile):
             with router():
                 want = model(x)
             assert r.routed >= 1 and list(r.fallbacks) == [
-                "q has dtype torch.float32; flashladder computes in torch.bfloat16 only"], (n, r)
+                "q has dtype torch.float32; this step computes in torch.bfloat16 only"], (n, r)
             assert torch.allclose(got, want, atol=1e-3, rtol=1e-3), n
     assert len(graphs) >= 3  # one for each seqlen at least (the specialized float may add one)
 
@@ -682,7 +682,7 @@ def test_strict_under_torch_compile_raises_while_tracing(fresh_compile):
         with router(strict=True):
             compiled(x)
     assert ("stand_in.sdpa(strict=True): a scaled_dot_product_attention call would fall back to torch: q has dtype "
-            "torch.float32; flashladder computes in torch.bfloat16 only") in str(e.value), str(e.value)
+            "torch.float32; this step computes in torch.bfloat16 only") in str(e.value), str(e.value)
 
 
 def test_a_step_s_own_op_under_torch_compile_on_meta_tensors(mod, fresh_compile):
