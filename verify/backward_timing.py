@@ -100,7 +100,7 @@ def run(steps: dict, seqlens: list[int], timing: bench.Timing | None = None, log
     with bench.ClockSampler() as sampler:
         if sampler.source:
             timing = bench.fit_to_clock(timing, sampler.interval_s)
-        for suffix, masked, heads, heads_kv, dtype in (PASSES if causal else PASSES[:1]):
+        for suffix, masked, heads, heads_kv, dtype in (PASSES if causal else [p for p in PASSES if not p[1]]):
             takes = {s: m for s, m in steps.items() if dtype in m.info.get("dtypes", ["bfloat16"])}
             if not takes:  # no step of the run takes the dtype: nothing to time it beside
                 continue

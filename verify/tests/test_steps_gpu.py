@@ -657,7 +657,7 @@ def run_unsplit(mod, q, k, v):
     from pathlib import Path
     binding = mod._binding
     lib = binding.load_library(Path(mod.info["library"]))
-    o = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    o = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
     params = binding.make_params(q, k, v, o, lse, 1.0 / math.sqrt(binding.HEAD_DIM), 0, None)
     assert lib.flashladder_fwd(ctypes.byref(params), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)) == 0
