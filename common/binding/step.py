@@ -85,6 +85,7 @@ class Step:
                      "archs": self.archs, "runs_on": checks.runs_on(self.archs), "smem_bytes": self.smem_bytes,
                      "causal": bool(self.features & FEATURE_CAUSAL), "gqa": bool(self.features & FEATURE_GQA),
                      "dtypes": [str(t).removeprefix("torch.") for t in checks.dtypes_of(self.features)],
+                     "head_dims": [abi.HEAD_DIM],  # q, k and v's last dim: the one every step takes so far
                      "backward": self.has_backward,
                      "backward_deterministic": (None if not self.has_backward
                                                 else "on request" if self.bwd_accumulates_dq else "always"),

@@ -185,6 +185,7 @@ def test_a_step_s_features_are_its_library_s(mod):
     features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
     assert (mod.info["causal"], mod.info["gqa"]) == (bool(features & binding.FEATURE_CAUSAL), bool(features & binding.FEATURE_GQA))
     assert mod.info["dtypes"] == (["bfloat16", "float16"] if features & binding.FEATURE_FP16 else ["bfloat16"])
+    assert mod.info["head_dims"] == [128]
     known = binding.FEATURE_CAUSAL | binding.FEATURE_GQA | binding.FEATURE_FP16
     assert features & ~known == 0, f"unknown feature bits {features:#x}"
     assert mod.sdpa().limits.features == features

@@ -910,3 +910,23 @@ def test_a_checkpoint_given_the_router_s_contexts_routes_its_recompute_too():
     assert ran == [] and stale.routed == stale.recomputed == 0
     torch_only = grads(lambda *a: checkpoint(block, *a, use_reentrant=False))
     assert all(torch.equal(a, b) for a, b in zip(got, torch_only))
+
+
+@pytest.mark.parametrize("features, dtype, reason", [
+    (FEATURES, torch.float16, "q has dtype torch.float16; this step computes in torch.bfloat16 only (fp16: step40 on)"),
+    (FEATURES | binding.FEATURE_FP16, torch.float16, None),
+    (FEATURES | binding.FEATURE_FP16, BF16, None),
+    (FEATURES | binding.FEATURE_FP16, torch.float32,
+     "q has dtype torch.float32; this step computes in torch.bfloat16 or torch.float16"),
+], ids=["bf16-step-fp16", "fp16-step-fp16", "fp16-step-bf16", "fp16-step-fp32"])
+def test_a_step_with_fp16_takes_fp16_calls(features, dtype, reason, on_h200):
+    """FEATURE_FP16 (step40 on) routes fp16 calls, causal and grouped ones too; a step without it leaves them to torch,
+    saying so; float32 stays with torch either way."""
+    limits = CAUSAL_LIMITS._replace(features=features)
+    for args, kwargs in ((qkv(dtype=dtype), {}), (qkv(dtype=dtype), {"is_causal": True}),
+                         ((meta(1, 4, 128, 128, dtype=dtype), *qkv(dtype=dtype)[1:]), {"enable_gqa": True})):
+        assert binding.route_reason(described(args, kwargs), limits, grad_enabled=False) == reason
+    mixed = (meta(1, 2, 128, 128), meta(1, 2, 128, 128, dtype=torch.float16), meta(1, 2, 128, 128))
+    assert binding.route_reason(described(mixed), CAUSAL_LIMITS._replace(features=FEATURES | binding.FEATURE_FP16),
+                                grad_enabled=False) == ("q, k and v must share one dtype, got torch.bfloat16, "
+                                                        "torch.float16 and torch.bfloat16")
