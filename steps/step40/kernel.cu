@@ -18,7 +18,7 @@
 //   wgmma instructions (.bf16 or .f16, common/wgmma.cuh), the conversions from fp32 (P, dS, O, dQ, dK, dV:
 //   cvt.rn.bf16x2 or .f16x2, common/ptx.cuh) and the tensor maps. The tiles in shared memory hold 16-bit elements
 //   (Bits16) whatever they are. O comes back in the inputs' type; the LSE and every accumulator stay fp32.
-// WHY: many models, and most GPUs before Hopper, run fp16; the drop-in sent every fp16 call back to torch.
+// WHY: many models run in fp16 (GPUs before Ampere have no bf16); the drop-in sent every fp16 call back to torch.
 // PREDICTION: fp16 as fast as bf16, call for call: the tensor cores take both at one rate, and ptxas makes the
 //   same code of both builds (below); bf16 unchanged. fp16 errors ~8x smaller than bf16's (3 more bits of precision).
 // MEASURED: (no GPU run yet)
