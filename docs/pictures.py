@@ -1981,6 +1981,59 @@ def backward_warp_roles(k: Code):
     return fig
 
 
+# ---------------------------------------------------------------- Part IV: what else models pass
+
+FORMATS = [("fp32", 8, 23), ("bf16", 8, 7), ("fp16", 5, 10)]  # (name, exponent bits, fraction bits)
+
+
+def float_format(exponent_bits: int, fraction_bits: int) -> dict:
+    """What an IEEE-style binary format of these widths holds: its largest finite value, its smallest normal one, and
+    the distance from 1 to the next value up (its precision, relative)."""
+    bias = 2 ** (exponent_bits - 1) - 1
+    return {"max": (2 - 2.0 ** -fraction_bits) * 2.0 ** bias, "min_normal": 2.0 ** (1 - bias),
+            "ulp_at_1": 2.0 ** -fraction_bits}
+
+
+@picture("fp16_bf16.png")
+def fp16_bf16(k: Code):
+    k.find("final", r"cvt_rn_x2_f32<(Elem)>", "the conversions from fp32 to the call's 16-bit type")
+    k.find("final", r"wgmma_m64n128k16_ss<(Elem)>", "the MMA of the call's 16-bit type")
+    fig = plt.figure(figsize=(13, 6.4))
+    fig.suptitle("bf16 and fp16: the same 16 bits, split differently; step40 builds every kernel for either", fontsize=13)
+    ax = fig.add_axes([0.02, 0.2, 0.96, 0.72])
+    blank(ax, (0, 40), (0, 11))
+    colours = {"sign": "#fdd0a2", "exponent": "#c6dbef", "fraction": "#c7e9c0"}
+    unit = 0.95                                      # the width of one bit
+    for row, (name, e_bits, f_bits) in enumerate(FORMATS):
+        y = 9.2 - 2.2 * row
+        fmt = float_format(e_bits, f_bits)
+        ax.text(0.3, y + 0.45, name, fontsize=11, va="center", weight="bold")
+        x = 2.2
+        for part, width in (("sign", 1), ("exponent", e_bits), ("fraction", f_bits)):
+            w = unit * min(width, 10) if name == "fp32" and part == "fraction" else unit * width
+            label = f"{width}" if part != "fraction" or name != "fp32" else f"{width} (drawn cut)"
+            box(ax, x, y, w, 0.9, label, colours[part], size=8.5)
+            x += w
+        ax.text(x + 0.4, y + 0.45, f"largest {fmt['max']:.6g}, smallest normal {fmt['min_normal']:.3g}, "
+                f"1 + 2^-{f_bits} is the next value after 1", fontsize=9, va="center")
+    for part, colour in colours.items():
+        ax.text(2.2 + 4.2 * list(colours).index(part), 2.55, part, fontsize=8.5,
+                bbox={"facecolor": colour, "edgecolor": C_GRID, "pad": 2})
+    box(ax, 0.4, 0.2, 39.2, 1.9, "", C_LIGHT)
+    ax.text(20, 1.15, "in step40: Q, K, V, dO and the outputs O, dQ, dK, dV in the call's type; S, dP, O and every "
+            "accumulator in fp32 (the tensor cores multiply\nbf16 x bf16 or fp16 x fp16 exactly into fp32); rounded to "
+            "the call's type on the way: P and dS (the A operands of the next products) and the outputs",
+            ha="center", va="center", fontsize=9)
+    bf16, fp16 = float_format(8, 7), float_format(5, 10)
+    caption(fig, f"bf16 keeps fp32's exponent and 8 bits of precision; fp16 trades 3 exponent bits for 3 more bits of "
+            f"precision (each rounding {bf16['ulp_at_1'] / fp16['ulp_at_1']:.0f}x finer) and a range up to "
+            f"{fp16['max']:.0f}. In attention the inputs and P (at most 2^8 under the conditional rescale, step12) fit "
+            "fp16's range, so the same kernel computes both, ptxas gives the two builds the same code, and only the "
+            "precision of the roundings differs: the checks judge an fp16 call against a yardstick that rounds to fp16. "
+            "The numbers are computed from the bit widths when the picture is drawn.", y=0.01, width=170)
+    return fig
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python docs/pictures.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="pictures to draw (file names, .png optional; default: all)")
