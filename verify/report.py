@@ -213,6 +213,18 @@ def console_table(run: dict) -> str:
 
 # ---- the causal table (python -m verify with a step that takes causal masks: bench.run's `causal`) ----
 
+def not_timed_of(run: dict, names: list) -> str:
+    """' Not timed (-): ...' for the rows `names` of a table under the dense one (causal, breadth): each row's cells
+    that the run did not time, with the reason it recorded; '' where it timed them all."""
+    missing: dict = {}
+    for impl in names:
+        for n, why in ((run.get("not_timed") or {}).get(impl) or {}).items():
+            missing.setdefault((impl, why), []).append(int(n))
+    if not missing:
+        return ""
+    return " Not timed (-): " + "; ".join(f"{impl} at N={'/'.join(_label(n) for n in sorted(ns))}: {why.rstrip('.')}"
+                                         for (impl, why), ns in missing.items()) + "."
+
 def causal_names(run: dict) -> list[str]:
     """Every row name of the run's causal table (none where it has none)."""
     return [name for names in ((run.get("causal") or {}).get("rows") or {}).values() for name in names]
@@ -261,14 +273,7 @@ def causal_note(run: dict) -> str:
                      "(SDPA with enable_gqa=True)")
     note = "; ".join(parts) + (". × cuDNN: over SDPA cuDNN (is_causal=True) in the same shape; × FA3: over "
                               "FlashAttention-3's flash_attn_func(causal=True) in the same shape.")
-    missing: dict = {}
-    for impl in causal_names(run):
-        for n, why in ((run.get("not_timed") or {}).get(impl) or {}).items():
-            missing.setdefault((impl, why), []).append(int(n))
-    if missing:
-        note += " Not timed (-): " + "; ".join(f"{impl} at N={'/'.join(_label(n) for n in sorted(ns))}: {why.rstrip('.')}"
-                                             for (impl, why), ns in missing.items()) + "."
-    return note
+    return note + not_timed_of(run, causal_names(run))
 
 
 def causal_markdown_table(run: dict) -> str:
@@ -367,14 +372,7 @@ def breadth_note(run: dict) -> str:
             "causal (is_causal=True; TFLOP/s counting half the dense FLOPs). × bf16: over the same implementation in "
             "bf16, in the same shapes, in this run (the tables above); × cuDNN and × FA3: over SDPA cuDNN and "
             "FlashAttention-3 given the same inputs.")
-    missing: dict = {}
-    for impl in breadth_names(run):
-        for n, why in ((run.get("not_timed") or {}).get(impl) or {}).items():
-            missing.setdefault((impl, why), []).append(int(n))
-    if missing:
-        note += " Not timed (-): " + "; ".join(f"{impl} at N={'/'.join(_label(n) for n in sorted(ns))}: {why.rstrip('.')}"
-                                             for (impl, why), ns in missing.items()) + "."
-    return note
+    return note + not_timed_of(run, breadth_names(run))
 
 
 def breadth_markdown_table(run: dict) -> str:
