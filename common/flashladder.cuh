@@ -20,7 +20,7 @@
 // 4: FwdParams' heads_k, causal and causal_offset; flashladder_features in the steps that read them.
 // 5: FwdParams' workspace; flashladder_workspace_bytes in the steps that read it.
 // 6: FwdParams' and BwdParams' dtype, read by the steps with FLASHLADDER_FEATURE_FP16.)
-#define FLASHLADDER_ABI_VERSION 6
+#define FLASHLADDER_ABI_VERSION 7
 
 // ---- which GPUs the library runs on: said by the build (common/build_step.py, TARGETS) ----
 // FLASHLADDER_ARCHS: what the library holds, its SASS then its PTX, e.g. "sm_80,sm_86,sm_89,sm_90a,sm_120,compute_80"
@@ -43,14 +43,14 @@ constexpr bool flashladder_same_string(const char* a, const char* b) {
                   "kernel.cu names the targets " #name ", but the build compiled it for " FLASHLADDER_TARGETS_BUILT \
                   ": build it with common/build_step.py, which reads the FLASHLADDER_TARGETS line")
 
-constexpr int HEAD_DIM = 128;  // the ladder's one head size (docs/ladder.md: fixed scope)
+constexpr int HEAD_DIM = 128;  // the head size of every step before step41, and the one the others take too
 constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) = 2^(x * LOG2E), so a softmax can use ex2
 constexpr float LN2 = 0.6931471805599453f;    // ln(2): log(x) = log2(x) * LN2, so an LSE can use lg2
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Everything a forward call needs. Mirrored field by field in common/binding/abi.py (ctypes).
-// Strides are in elements; the last dimension (HEAD_DIM) is contiguous (stride 1) for all four tensors.
+// Strides are in elements; the last dimension (HEAD_DIM, or head_dim) is contiguous (stride 1) for all four tensors.
 struct FwdParams {
     const void* q;        // bf16 [batch, heads, seqlen_q, HEAD_DIM]
     const void* k;        // bf16 [batch, heads_k, seqlen_k, HEAD_DIM]
@@ -75,6 +75,9 @@ struct FwdParams {
     // The type of q, k, v and o: FLASHLADDER_BF16, or FLASHLADDER_FP16 for the steps with FLASHLADDER_FEATURE_FP16 (the
     // binding passes the others bf16 alone). The LSE is fp32 either way.
     int32_t dtype;
+    // The last dim of q and k (head_dim) and of v and o (head_dim_v): HEAD_DIM, or another that the step exports in
+    // flashladder_head_dims (below); the binding passes the others HEAD_DIM alone.
+    int32_t head_dim, head_dim_v;
 };
 
 // Everything a backward call needs (the steps that export flashladder_bwd). Mirrored in common/binding/abi.py.
@@ -101,6 +104,7 @@ struct BwdParams {
     int32_t heads_k, causal, causal_offset;  // as in FwdParams
     int32_t deterministic;  // 1: the same bits every call (a step that adds dQ up in any order then takes another way)
     int32_t dtype;          // as in FwdParams: of q, k, v, o, d_o and of dq, dk, dv
+    int32_t head_dim, head_dim_v;  // as in FwdParams (flashladder_bwd_head_dims)
 };
 
 // Bits of flashladder_features(), exported by the steps that take more than dense attention with equal heads.
@@ -109,6 +113,15 @@ constexpr int FLASHLADDER_FEATURE_GQA = 2;     // heads_k < heads (grouped and m
 constexpr int FLASHLADDER_FEATURE_FP16 = 4;    // dtype = FLASHLADDER_FP16 (fp16 inputs and outputs) as well as bf16
 // FwdParams' and BwdParams' dtype.
 constexpr int32_t FLASHLADDER_BF16 = 0, FLASHLADDER_FP16 = 1;
+// The head dims a step may take, by bit: bit i of flashladder_head_dims() (the forward) and flashladder_bwd_head_dims()
+// (the backward), exported by the steps that take more than HEAD_DIM, says that it takes FLASHLADDER_HEAD_DIMS[i] (q, k
+// and v alike). A step without them takes HEAD_DIM alone.
+constexpr int FLASHLADDER_HEAD_DIMS[] = {64, 96, 128, 192, 256};
+constexpr int flashladder_head_dim_bit(int head_dim) {
+    for (int i = 0; i < int(sizeof(FLASHLADDER_HEAD_DIMS) / sizeof(int)); ++i)
+        if (FLASHLADDER_HEAD_DIMS[i] == head_dim) return 1 << i;
+    return 0;
+}
 
 // Address of row `row` of the [seqlen, HEAD_DIM] matrix of (batch, head) in a strided tensor.
 template <typename T>

@@ -87,13 +87,15 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 
 // ---- host side ----
 
-// The tensor map of one of the four [batch, heads, seqlen, HEAD_DIM] bf16 tensors (strides in elements, as
-// in FwdParams; `type`: fp16 in the steps that take it, tma_type below), read in boxes of [box_rows, 64] with the
+// The tensor map of one of the four [batch, heads, seqlen, head_dim] bf16 tensors (strides in elements, as
+// in FwdParams; `type`: fp16 in the steps that take it, tma_type below; head_dim: HEAD_DIM but in the steps that take
+// others, a multiple of 64), read in boxes of [box_rows, 64] with the
 // 128-byte swizzle (common/swizzle.cuh: swizzle_tma_128b). TMA dims, innermost first: (dim, row, head, batch). A dimension whose stride is 0
 // (k/v broadcast over heads or batch) is described as size 1: the kernel then asks for coordinate 0 there
 // (tma_coord below). Returns a CUresult (0 = success).
 inline int encode_tile_map(CUtensorMap* map, const void* base, const int64_t stride[3], int rows, int heads, int batch,
-                           int box_rows, CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
+                           int box_rows, CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                           int head_dim = HEAD_DIM) {
     cudaError_t lookup = cudaSuccess;
     const auto encode = driver_cuTensorMapEncodeTiled(&lookup);
     if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
@@ -102,7 +104,8 @@ inline int encode_tile_map(CUtensorMap* map, const void* base, const int64_t str
     // A broadcast dimension (stride 0) becomes size 1; its stride is then never used, but must be valid.
     const uint64_t head_bytes = stride[1] ? uint64_t(stride[1]) * ELEM : row_bytes;
     const uint64_t batch_bytes = stride[0] ? uint64_t(stride[0]) * ELEM : row_bytes;
-    const cuuint64_t dims[4] = {HEAD_DIM, cuuint64_t(rows), cuuint64_t(stride[1] ? heads : 1), cuuint64_t(stride[0] ? batch : 1)};
+    const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(stride[1] ? heads : 1),
+                                cuuint64_t(stride[0] ? batch : 1)};
     const cuuint64_t strides[3] = {row_bytes, head_bytes, batch_bytes};  // bytes, of dims 1..3 (dim 0 is contiguous)
     const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};          // 64 bf16 = one 128-byte swizzle row
     const cuuint32_t elem_strides[4] = {1, 1, 1, 1};

@@ -168,6 +168,29 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
 #undef FLASHLADDER_WGMMA
 }
 
+// D[64 x 64] (+)= A[64 x 16] . B[16 x 64], A from registers, B N-major in shared memory, as wgmma_m64n128k16_rs: the
+// forward's O += P V at head dim 64 (step41). 32 fp32 registers per thread.
+template <typename T = __nv_bfloat16>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+    static_assert(is_16bit_float<T>, "bf16 or fp16");
+#define FLASHLADDER_WGMMA(TYPE) \
+    asm volatile("{\n" \
+                 ".reg .pred p;\n" \
+                 "setp.ne.b32 p, %37, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n" \
+                 "}\n" \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+    if constexpr (std::is_same_v<T, __half>) FLASHLADDER_WGMMA("f16");
+    else FLASHLADDER_WGMMA("bf16");
+#undef FLASHLADDER_WGMMA
+}
+
 // D[64 x 64] (+)= A[64 x 16] . B[16 x 64], A and B both in shared memory (descriptors): the backward's products
 // (from step28), whose tiles of 64 queries give N = 64. TRANS_A / TRANS_B = 0: the operand is K-major (stored
 // [row, k], like Q and K read along the head dim); 1: M- or N-major (stored [k, row], like V read along the keys;

@@ -5,7 +5,7 @@
     python -m verify --no-bench            # build + checks only
     python -m verify --no-checks           # build + benchmark only
     python -m verify --no-causal           # without the causal table (step15 on: causal and GQA at N = 4K/8K/16K)
-    python -m verify --no-breadth          # without the breadth tables (step40 on: fp16, dense and causal)
+    python -m verify --no-breadth          # without the breadth tables (step40 on: fp16; step41 on: head dim 64)
     python -m verify --out DIR             # also write the log, the checks' junit XML and the results to DIR
     python -m verify --ptx-jit             # checks of steps 01-07 built as their PTX alone, compiled by the driver
 
@@ -51,8 +51,8 @@ def main(argv=None) -> int:
                     help="skip the benchmark's backward table (the last step with a backward and SDPA cuDNN's and FLASH's "
                          "backward, dense and causal, at N = 4K/8K/16K)")
     ap.add_argument("--no-breadth", action="store_true",
-                    help="skip the benchmark's breadth tables (the last step that takes fp16, SDPA cuDNN and FA3 in fp16, "
-                         "dense and causal, at N = 4K/8K/16K: 18 cells, about 40 s)")
+                    help="skip the benchmark's breadth tables (the last step that takes fp16 or head dim 64, SDPA cuDNN "
+                         "and FA3 given the same, dense and causal, at N = 4K/8K/16K: 18 cells, about 40 s, per table)")
     ap.add_argument("--no-causal", action="store_true",
                     help="skip the benchmark's causal table (the last step that takes causal masks, SDPA cuDNN and FA3, "
                          "causal and with Llama-3-8B's grouped heads, at N = 4K/8K/16K: 18 cells, about 40 s)")
@@ -234,13 +234,17 @@ def run(args) -> int:
 
 def breadth_step(modules: dict):
     """The breadth tables' step (bench.BreadthStep): the last of `modules` ({step: module}) that takes more than bf16
-    (info["dtypes"]), with the tables it takes, or None where none does."""
+    at head dim 128 (info["dtypes"], info["head_dims"]), with the tables it takes, or None where none does."""
     from verify import bench
-    takes = [(s, m) for s, m in modules.items() if "float16" in m.info.get("dtypes", [])]
+
+    def tables(m):
+        return (*(("fp16",) if "float16" in m.info.get("dtypes", []) else ()),
+                *(("hdim64",) if 64 in m.info.get("head_dims", []) else ()))
+    takes = [(s, m) for s, m in modules.items() if tables(m)]
     if not takes:
         return None
     step, mod = takes[-1]
-    return bench.BreadthStep(step, mod.attention, ("fp16",))
+    return bench.BreadthStep(step, mod.attention, tables(mod))
 
 
 def causal_step(modules: dict):

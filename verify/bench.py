@@ -25,10 +25,11 @@ The causal table (the last step that takes causal masks, info["causal"]: step15 
 (is_causal=True; enable_gqa=True for the grouped heads) and FlashAttention-3 (flash_attn_func(causal=True)). Its
 TFLOP/s count half the dense FLOPs (causal_flops): the diagonal's half of the score matrix is all there is to compute.
 
-The breadth tables (the last step that takes fp16, info["dtypes"]: step40 on) time what else a model passes, at the
-same N, 16 heads (batch = 16K/N), dense and causal, beside SDPA cuDNN and FA3 given the same: fp16 inputs ("fp16",
-rows stepNN_fp16, sdpa_cudnn_fp16, fa3_fp16, and stepNN_fp16_causal, ...). The step's bf16 rows of the same shapes are
-the dense and causal tables' own, so its fp16 is read against its bf16 in one run.
+The breadth tables (the last step that takes fp16 or another head dim, info["dtypes"], info["head_dims"]: step40 on)
+time what else a model passes, at the same N, 16 heads (batch = 16K/N), dense and causal, beside SDPA cuDNN and FA3
+given the same: fp16 inputs ("fp16", rows stepNN_fp16, sdpa_cudnn_fp16, fa3_fp16, and stepNN_fp16_causal, ...), bf16
+at head dim 64 ("hdim64", rows stepNN_hdim64, sdpa_cudnn_hdim64, fa3_hdim64, ...). The step's bf16 rows at head dim
+128 in the same shapes are the dense and causal tables' own, so each breadth row is read against them in one run.
 
 `SteadyState` makes the warm-up / window decisions and `drive` does the queueing; neither touches
 the GPU, so tests/test_bench.py runs both on a simulated GPU and clock.
@@ -67,8 +68,9 @@ CAUSAL_TABLES = {"causal": (HEADS, HEADS), "gqa": (32, 8)}  # table: (query head
 CAUSAL_PEERS = ["sdpa_cudnn", "fa3"]  # timed beside the step in each table: f"{peer}_{table}"
 LABELS |= {"sdpa_cudnn_causal": "SDPA cuDNN causal", "fa3_causal": "FA3 causal",
            "sdpa_cudnn_gqa": "SDPA cuDNN GQA", "fa3_gqa": "FA3 GQA"}
-# The breadth tables: {table: the inputs' dtype (a torch attribute)}, each timed dense and causal (table + "_causal").
-BREADTH_TABLES = {"fp16": "float16"}
+# The breadth tables: {table: the inputs' dtype (a torch attribute) and head dim}, each timed dense and causal
+# (table + "_causal").
+BREADTH_TABLES = {"fp16": {"dtype": "float16", "head_dim": HEAD_DIM}, "hdim64": {"dtype": "bfloat16", "head_dim": 64}}
 BREADTH_PEERS = ["sdpa_cudnn", "fa3"]  # timed beside the step: f"{peer}_{table}"
 
 
@@ -147,7 +149,7 @@ def breadth_names(step: str, tables) -> dict[str, list[str]]:
 
 class BreadthStep(NamedTuple):
     """The step of the breadth tables: its name, attention(q, k, v, scale=None, causal=...) and the tables (of
-    BREADTH_TABLES) it takes: "fp16" where info["dtypes"] has float16."""
+    BREADTH_TABLES) it takes: "fp16" where info["dtypes"] has float16, "hdim64" where info["head_dims"] has 64."""
     name: str
     attention: Callable
     tables: tuple
@@ -168,7 +170,7 @@ def breadth_fns(table: str, q, k, v, step: BreadthStep, fa3) -> dict:
 def breadth_method(step: BreadthStep, seqlens: list[int]) -> dict:
     """What the results file says of the breadth tables: the step, the N, the rows, each table's dtype and shapes."""
     return {"step": step.name, "seqlens": list(seqlens), "rows": breadth_names(step.name, step.tables),
-            "tables": {t: {"dtype": BREADTH_TABLES[t], "head_dim": HEAD_DIM, "heads": HEADS} for t in step.tables},
+            "tables": {t: {**BREADTH_TABLES[t], "heads": HEADS} for t in step.tables},
             "mask": "dense, and top_left (is_causal=True) in the _causal tables, whose FLOPs are half the dense ones"}
 
 
@@ -679,14 +681,15 @@ def run(impls: dict, seqlens: list[int], budget_s: float | None = None, log=prin
                 time_cells(fns, n, (batch, heads, heads_kv), causal_flops(batch, heads, n),
                            f"batch={batch:<3} heads={heads}/{heads_kv:<3} causal")
         for table in b_names:
-            dtype, mask = getattr(torch, BREADTH_TABLES[table.removesuffix("_causal")]), table.endswith("_causal")
+            kind, mask = BREADTH_TABLES[table.removesuffix("_causal")], table.endswith("_causal")
+            dtype, d = getattr(torch, kind["dtype"]), kind["head_dim"]
             for n in b_seqlens:
                 batch, heads, _ = shape_of(n)
                 gen = torch.Generator(device="cuda").manual_seed(n)
-                q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", generator=gen).add_(0.5).to(dtype)
+                q, k, v = (torch.randn(batch, heads, n, d, device="cuda", generator=gen).add_(0.5).to(dtype)
                            for _ in range(3))
                 time_cells(breadth_fns(table, q, k, v, breadth, fa3), n, (batch, heads),
-                           (causal_flops if mask else flops)(batch, heads, n), f"batch={batch:<3} heads={heads:<3} {table}")
+                           (causal_flops if mask else flops)(batch, heads, n, d), f"batch={batch:<3} heads={heads:<3} {table}")
         a, b = (torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gemm = with_tflops(measure(lambda: a @ b, flush, sampler, timing), 2 * GEMM_N**3)
         log(log_line(LABELS["cublas_gemm"], gemm))

@@ -30,8 +30,12 @@ import torch
 
 from verify.reference import CHUNK_SCORES, attention_reference_of, attention_reference_torch, causal_offset
 
-HEAD_DIM = 128
-DEFAULT_SCALE = 1.0 / math.sqrt(HEAD_DIM)
+HEAD_DIM = 128  # the inputs' head dim unless a case says another (head_dim: the steps that take it, info["head_dims"])
+DEFAULT_SCALE = 1.0 / math.sqrt(HEAD_DIM)  # the scale at 128; at any head dim d, 1 / sqrt(d) (default_scale)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
 INPUT_MEAN = 0.5
 
 # A global bound on the whole output, ~10x what rounding O to bf16 alone costs (~2^-9 relative): it catches
@@ -98,13 +102,14 @@ def replay() -> str:
 
 
 def make_inputs(batch, heads, seqlen_q, seqlen_k, *, factor=1.0, seed=None, device="cuda", heads_k=None,
-                dtype=torch.bfloat16):
-    """q, k, v bf16 (or dtype: fp16) ~ factor * N(INPUT_MEAN, 1) in torch's [batch, heads, seqlen, 128] layout (seed:
-    run_seed()); heads_k: k and v's heads (default: heads), for grouped (GQA) or multi-query (heads_k = 1) attention."""
+                dtype=torch.bfloat16, head_dim=HEAD_DIM):
+    """q, k, v bf16 (or dtype: fp16) ~ factor * N(INPUT_MEAN, 1) in torch's [batch, heads, seqlen, head_dim] layout
+    (seed: run_seed()); heads_k: k and v's heads (default: heads), for grouped (GQA) or multi-query (heads_k = 1)
+    attention."""
     gen = torch.Generator(device="cpu").manual_seed(run_seed() if seed is None else seed)
     heads_k = heads if heads_k is None else heads_k
     def one(h, n):
-        return (factor * (torch.randn(batch, h, n, HEAD_DIM, generator=gen) + INPUT_MEAN)).to(dtype).to(device)
+        return (factor * (torch.randn(batch, h, n, head_dim, generator=gen) + INPUT_MEAN)).to(dtype).to(device)
     return one(heads, seqlen_q), one(heads_k, seqlen_k), one(heads_k, seqlen_k)
 
 
@@ -248,8 +253,8 @@ def prepare(q, k, v, scale=None, label="", cache_key=None, causal=False) -> Case
     """A Case for these inputs: the float64 reference in torch on the GPU where the inputs are there
     (attention_reference_torch: milliseconds), else with numpy (cache_key: kept on disk for the other processes of the
     run, which would compute it again). causal: False, "top_left" or "bottom_right"; k, v may have fewer heads than q
-    (a divisor of its heads)."""
-    scale = DEFAULT_SCALE if scale is None else scale
+    (a divisor of its heads). scale: 1/sqrt(head dim) by default, as the steps' own."""
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     causal = check_causal(causal)
     if q.device.type == "cuda":
         o_ref, lse_ref = attention_reference_torch(q, k, v, scale, causal)
@@ -318,13 +323,17 @@ def measure_errors(mod, q, k, v, scale=None, causal=False) -> Errors:
 # ---------------------------------------------------------------- cases shared by every step of a run
 
 @functools.lru_cache(maxsize=None)
-def random_case(batch, heads, seqlen_q, seqlen_k, factor=1.0, causal=False, heads_k=None, dtype=torch.bfloat16) -> Case:
+def random_case(batch, heads, seqlen_q, seqlen_k, factor=1.0, causal=False, heads_k=None, dtype=torch.bfloat16,
+                head_dim=HEAD_DIM) -> Case:
     """make_inputs(...) of this run's seed, prepared once per process (on the CPU, its numpy reference once per run).
-    causal: False, "top_left" or "bottom_right"; heads_k: k and v's heads (default: heads); dtype: the inputs'."""
-    key = ("random", batch, heads, seqlen_q, seqlen_k, factor, causal, heads_k, str(dtype))
+    causal: False, "top_left" or "bottom_right"; heads_k: k and v's heads (default: heads); dtype, head_dim: the
+    inputs'."""
+    key = ("random", batch, heads, seqlen_q, seqlen_k, factor, causal, heads_k, str(dtype), head_dim)
     label = (f"random x{factor:g} {batch}x{heads}x{seqlen_q}x{seqlen_k}" + (f", {heads_k} kv heads" if heads_k else "")
-             + (f", causal {causal}" if causal else "") + (f", {dtype}" if dtype != torch.bfloat16 else ""))
-    return prepare(*make_inputs(batch, heads, seqlen_q, seqlen_k, factor=factor, heads_k=heads_k, dtype=dtype),
+             + (f", causal {causal}" if causal else "") + (f", {dtype}" if dtype != torch.bfloat16 else "")
+             + (f", head dim {head_dim}" if head_dim != HEAD_DIM else ""))
+    return prepare(*make_inputs(batch, heads, seqlen_q, seqlen_k, factor=factor, heads_k=heads_k, dtype=dtype,
+                                head_dim=head_dim),
                    label=label, cache_key=key, causal=causal)
 
 
@@ -356,11 +365,11 @@ CAUSAL_ADVERSARIAL = {
 MASKED_DOMINANCE = 100.0  # nats: e^-100 is below fp32's smallest normal number (e^-87.3)
 
 
-def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda", dtype=torch.bfloat16):
-    """q, k, v (bf16 or dtype, [1, 2, 2 tile_q, ADVERSARIAL_K_TILES tile_k, 128]) for one of ADVERSARIAL (or
+def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda", dtype=torch.bfloat16, head_dim=HEAD_DIM):
+    """q, k, v (bf16 or dtype, [1, 2, 2 tile_q, ADVERSARIAL_K_TILES tile_k, head_dim]) for one of ADVERSARIAL (or
     CAUSAL_ADVERSARIAL).
 
-    The bias cases put q ~ 1 + N(0, 1/16) (every row summing to 128) and k_j = bias_j / (128 scale) + N(0, 1/100),
+    The bias cases put q ~ 1 + N(0, 1/16) (every row summing to d, the head dim) and k_j = bias_j / (d scale) + N(0, 1/100),
     so that score(i, j) ~ bias_j (nats) + a random part of ~0.1 nat. Every term of a dot product is then of
     the same size, as in real inputs: no huge term beside tiny ones, which would test the tensor cores'
     accumulation more than the kernel.
@@ -370,7 +379,7 @@ def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda", dtype=tor
     gen = torch.Generator(device="cpu").manual_seed(run_seed() if seed is None else seed)
     nq, nk = 2 * tile_q, ADVERSARIAL_K_TILES * tile_k
     def randn(n):
-        return torch.randn(1, 2, n, HEAD_DIM, generator=gen)
+        return torch.randn(1, 2, n, head_dim, generator=gen)
     q, k, v = randn(nq) + INPUT_MEAN, randn(nk) + INPUT_MEAN, randn(nk) + INPUT_MEAN
     key = torch.arange(nk, dtype=torch.float32)
     bias = {
@@ -386,8 +395,8 @@ def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda", dtype=tor
     }.get(kind)
     if bias is not None:
         noise = 0.25 * randn(nq)
-        q = 1.0 + noise - noise.mean(dim=-1, keepdim=True)  # every row sums to 128: the same bias for every row
-        k = bias[:, None] / (HEAD_DIM * DEFAULT_SCALE) + 0.1 * randn(nk)
+        q = 1.0 + noise - noise.mean(dim=-1, keepdim=True)  # every row sums to d: the same bias for every row
+        k = bias[:, None] / (head_dim * default_scale(head_dim)) + 0.1 * randn(nk)
     elif kind == "equal_logits":
         k = k[:, :, :1].expand(k.shape).clone()
     elif kind == "large_v_mean":
@@ -396,11 +405,12 @@ def adversarial_inputs(kind, tile_q, tile_k, seed=None, device="cuda", dtype=tor
 
 
 @functools.lru_cache(maxsize=None)
-def adversarial_case(kind, tile_q, tile_k, causal=False, dtype=torch.bfloat16) -> Case:
-    return prepare(*adversarial_inputs(kind, tile_q, tile_k, dtype=dtype),
+def adversarial_case(kind, tile_q, tile_k, causal=False, dtype=torch.bfloat16, head_dim=HEAD_DIM) -> Case:
+    return prepare(*adversarial_inputs(kind, tile_q, tile_k, dtype=dtype, head_dim=head_dim),
                    label=f"{kind} (tiles {tile_q}x{tile_k}" + (f", causal {causal}" if causal else "")
-                   + (f", {dtype})" if dtype != torch.bfloat16 else ")"),
-                   cache_key=("adversarial", kind, tile_q, tile_k, causal, str(dtype)), causal=causal)
+                   + (f", {dtype}" if dtype != torch.bfloat16 else "")
+                   + (f", head dim {head_dim})" if head_dim != HEAD_DIM else ")"),
+                   cache_key=("adversarial", kind, tile_q, tile_k, causal, str(dtype), head_dim), causal=causal)
 
 
 # ---------------------------------------------------------------- the numpy reference, once per run

@@ -329,16 +329,16 @@ def breadth_names(run: dict) -> list[str]:
 
 
 def bf16_row(impl: str, table: str) -> str:
-    """The bf16 row of the same implementation and shapes as breadth row `impl` of `table`: the dense table's (stepNN,
-    sdpa_cudnn, fa3) or the causal table's (stepNN_causal, ...)."""
+    """The bf16 row at head dim 128 of the same implementation and shapes as breadth row `impl` of `table`: the dense
+    table's (stepNN, sdpa_cudnn, fa3) or the causal table's (stepNN_causal, ...)."""
     base = table.removesuffix("_causal")
     return impl.removesuffix(f"_{table}") + ("_causal" if table != base else "")
 
 
 def breadth_rows(run: dict) -> list[dict]:
-    """One row per implementation and table (fp16, then fp16 causal): TFLOP/s per N and the ratios to the same
-    implementation's bf16 in the same shapes (this run's dense and causal tables), to SDPA cuDNN and to FA3 in the same
-    table. A row with no figure and no reason recorded (FA3 not installed) is left out."""
+    """One row per implementation and table (fp16, then fp16 causal, head dim 64, ...): TFLOP/s per N and the ratios
+    to the same implementation's bf16 at head dim 128 in the same shapes (this run's dense and causal tables), to SDPA
+    cuDNN and to FA3 in the same table. A row with no figure and no reason recorded (FA3 not installed) is left out."""
     b = run.get("breadth")
     if not b:
         return []
@@ -346,7 +346,7 @@ def breadth_rows(run: dict) -> list[dict]:
     out = []
     for table, names in b["rows"].items():
         cudnn, fa3 = names[1], names[2]
-        words = table.replace("_causal", " causal")
+        words = table.replace("hdim", "head dim ").replace("_causal", " causal")
         for impl in names:
             if not run["timings"].get(impl) and impl not in not_timed:
                 continue
@@ -367,11 +367,12 @@ def breadth_rows(run: dict) -> list[dict]:
 def breadth_note(run: dict) -> str:
     """What the breadth tables time, and why a cell is '-', from the results file."""
     b = run["breadth"]
-    dtypes = ", ".join(sorted({t["dtype"] for t in b["tables"].values()}))
-    note = (f"The same calls in {dtypes}: batch = {TOTAL_TOKENS // 1024}K/N, {HEADS} heads, d = {HEAD_DIM}, dense and "
-            "causal (is_causal=True; TFLOP/s counting half the dense FLOPs). × bf16: over the same implementation in "
-            "bf16, in the same shapes, in this run (the tables above); × cuDNN and × FA3: over SDPA cuDNN and "
-            "FlashAttention-3 given the same inputs.")
+    kinds = "; ".join(f"{t.replace('hdim', 'head dim ')}: {k['dtype']}, d = {k.get('head_dim', HEAD_DIM)}"
+                      for t, k in b["tables"].items())
+    note = (f"The same calls in other types and head dims ({kinds}): batch = {TOTAL_TOKENS // 1024}K/N, {HEADS} heads, "
+            "dense and causal (is_causal=True; TFLOP/s counting half the dense FLOPs). × bf16 d128: over the same "
+            "implementation in bf16 at head dim 128, in the same shapes, in this run (the tables above); × cuDNN and "
+            "× FA3: over SDPA cuDNN and FlashAttention-3 given the same inputs.")
     return note + not_timed_of(run, breadth_names(run))
 
 
@@ -383,7 +384,7 @@ def breadth_markdown_table(run: dict) -> str:
     seqlens = run["breadth"]["seqlens"]
     every = "/".join(_label(n) for n in seqlens)
     with_fa3 = any(r["impl"].startswith("fa3_") and any(r["tflops"].values()) for r in rs)
-    lines = [f"| fp16 | {' | '.join(f'N={_label(n)}' for n in seqlens)} | × bf16 ({every}) | × cuDNN ({every}) |"
+    lines = [f"| breadth | {' | '.join(f'N={_label(n)}' for n in seqlens)} | × bf16 d128 ({every}) | × cuDNN ({every}) |"
              + (f" × FA3 ({every}) |" if with_fa3 else ""),
              "|---|" + "---:|" * len(seqlens) + "---:|---:|" + ("---:|" if with_fa3 else "")]
     for r in rs:
@@ -406,8 +407,9 @@ def breadth_console_table(run: dict) -> str:
     seqlens = run["breadth"]["seqlens"]
     every = "/".join(_label(n) for n in seqlens)
     width = max(len(r["label"]) for r in rs) + 2
-    bf16_w = max(len(f"×bf16({every})"), *(len(_ratios(r["vs_bf16"], seqlens, seqlens)) for r in rs))
-    head = f"{'fp16':<{width}}" + "".join(f"{f'N={_label(n)}':>9}" for n in seqlens) + f"   {f'×bf16({every})':<{bf16_w}}   ×FA3({every})"
+    bf16_w = max(len(f"×bf16d128({every})"), *(len(_ratios(r["vs_bf16"], seqlens, seqlens)) for r in rs))
+    head = (f"{'breadth':<{width}}" + "".join(f"{f'N={_label(n)}':>9}" for n in seqlens)
+            + f"   {f'×bf16d128({every})':<{bf16_w}}   ×FA3({every})")
     out = [head.rstrip(), "-" * len(head.rstrip())]
     for r in rs:
         flag = "" if not r["checks"] or r["checks"] == "passed" else f"  [checks {r['checks']}]"

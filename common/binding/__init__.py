@@ -30,7 +30,9 @@ from .abi import (
     FEATURE_FP16,
     FEATURE_GQA,
     HEAD_DIM,
+    HEAD_DIMS,
     FwdParams,
+    head_dims_of,
     kernel_strides,
     load_library,
     make_params,
@@ -71,8 +73,8 @@ from .router import (
 from .step import Step, bind_step, output_like
 
 __all__ = [
-    "ABI_VERSION", "CAUSAL", "DTYPE_CODE", "FEATURE_CAUSAL", "FEATURE_FP16", "FEATURE_GQA", "HEAD_DIM", "FwdParams",
-    "kernel_strides", "load_library", "make_params",
+    "ABI_VERSION", "CAUSAL", "DTYPE_CODE", "FEATURE_CAUSAL", "FEATURE_FP16", "FEATURE_GQA", "HEAD_DIM", "HEAD_DIMS", "FwdParams",
+    "head_dims_of", "kernel_strides", "load_library", "make_params",
     "ALIGN", "MAX_GRID_YZ", "MAX_ROW_STRIDE", "Device", "check_causal", "check_causal_code", "check_device",
     "check_inputs", "check_launch", "check_outputs_apart", "check_scale", "check_types", "code_for", "device_props", "dtypes_of",
     "no_cuda_reason", "runs_on",

@@ -7,8 +7,10 @@ from typing import Optional
 
 import torch
 
-HEAD_DIM = 128
-ABI_VERSION = 6      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
+HEAD_DIM = 128       # the head dim of every step before step41; the steps that take others say which (head_dims_of)
+ABI_VERSION = 7      # must match FLASHLADDER_ABI_VERSION in common/flashladder.cuh
+# FLASHLADDER_HEAD_DIMS: bit i of flashladder_head_dims() / flashladder_bwd_head_dims() is the head dim HEAD_DIMS[i].
+HEAD_DIMS = (64, 96, 128, 192, 256)
 FEATURE_CAUSAL, FEATURE_GQA, FEATURE_FP16 = 1, 2, 4  # bits of flashladder_features() (common/flashladder.cuh)
 # FwdParams' and BwdParams' dtype: the code of q's type (FLASHLADDER_BF16, FLASHLADDER_FP16).
 DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
@@ -32,6 +34,7 @@ class FwdParams(ctypes.Structure):
         ("heads_k", ctypes.c_int32), ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
         ("workspace", ctypes.c_void_p),
         ("dtype", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32), ("head_dim_v", ctypes.c_int32),
     ]
 
 
@@ -48,6 +51,7 @@ class BwdParams(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("heads_k", ctypes.c_int32), ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
         ("deterministic", ctypes.c_int32), ("dtype", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32), ("head_dim_v", ctypes.c_int32),
     ]
 
 
@@ -74,6 +78,9 @@ def load_library(path: Path) -> ctypes.CDLL:
         lib.flashladder_smem_bytes.restype = ctypes.c_int
     if hasattr(lib, "flashladder_features"):
         lib.flashladder_features.restype = ctypes.c_int
+    for name in ("flashladder_head_dims", "flashladder_bwd_head_dims"):
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
     if hasattr(lib, "flashladder_workspace_bytes"):
         lib.flashladder_workspace_bytes.restype = ctypes.c_int64
         lib.flashladder_workspace_bytes.argtypes = [ctypes.c_int]
@@ -93,11 +100,22 @@ def load_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def head_dims_of(lib: ctypes.CDLL, backward: bool = False) -> tuple:
+    """The head dims a step's forward (or backward) takes: those its library exports (flashladder_head_dims,
+    flashladder_bwd_head_dims), else HEAD_DIM alone."""
+    name = "flashladder_bwd_head_dims" if backward else "flashladder_head_dims"
+    if not hasattr(lib, name):
+        return (HEAD_DIM,)
+    bits = getattr(lib, name)()
+    return tuple(d for i, d in enumerate(HEAD_DIMS) if bits >> i & 1)
+
+
 def kernel_strides(t: torch.Tensor) -> tuple:
     """The batch, head and row strides the kernel gets. A dimension of size <= 1 is never stepped over, so its
     stride means nothing (torch keeps odd ones, e.g. 1 for a batch of 1 after a transpose); it becomes the
     contiguous stride, a multiple of 8 elements, which later steps' TMA tensor maps need (16-byte strides)."""
-    contiguous = (t.shape[1] * t.shape[2] * HEAD_DIM, t.shape[2] * HEAD_DIM, HEAD_DIM)
+    d = t.shape[3]
+    contiguous = (t.shape[1] * t.shape[2] * d, t.shape[2] * d, d)
     return tuple(s if n > 1 else c for n, s, c in zip(t.shape[:3], t.stride()[:3], contiguous))
 
 
@@ -110,7 +128,7 @@ def make_params(q, k, v, o, lse, scale: float, causal: int = 0, workspace: Optio
     return FwdParams(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                      strides(q), strides(k), strides(v), strides(o),
                      q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset, workspace,
-                     DTYPE_CODE[q.dtype])
+                     DTYPE_CODE[q.dtype], q.shape[3], v.shape[3])
 
 
 def make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale: float, causal: int = 0,
@@ -127,4 +145,4 @@ def make_bwd_params(q, k, v, o, lse, d_o, d_lse, delta, dq, dk, dv, scale: float
                      dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                      *(strides(t) for t in (q, k, v, o, d_o, dq, dk, dv)),
                      q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, k.shape[1], int(causal != 0), offset,
-                     int(bool(deterministic)), DTYPE_CODE[q.dtype])
+                     int(bool(deterministic)), DTYPE_CODE[q.dtype], q.shape[3], v.shape[3])

@@ -22,12 +22,14 @@ ALIGN = {"q": 16, "k": 16, "v": 16, "o": 16, "lse": 4}  # bytes: 16-byte vector 
 
 def check_types(step: str, scale, **tensors) -> float:
     """What the op's schema cannot say clearly: the arguments' Python types (the schema turns True into 1.0).
-    Returns the scale as a float, None -> 1/sqrt(128); its value is the op's to check (check_scale)."""
+    Returns the scale as a float, None -> 1/sqrt(head dim) (q's last dim; 128 without a q); its value is the op's to
+    check (check_scale)."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flashladder.{step}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if scale is None:
-        return 1.0 / math.sqrt(HEAD_DIM)
+        q = tensors.get("q")
+        return 1.0 / math.sqrt(q.shape[-1] if q is not None and q.dim() > 0 and q.shape[-1] > 0 else HEAD_DIM)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"flashladder.{step}: scale must be a finite positive float, got {scale!r}")
     try:
@@ -77,8 +79,15 @@ def dtypes_of(features: int) -> tuple:
     return (torch.bfloat16, torch.float16) if features & FEATURE_FP16 else (torch.bfloat16,)
 
 
-def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, devices=("cuda",), features: int = 0) -> None:
+def head_dim_hint(head_dim: int) -> str:
+    """Where the ladder first takes a head dim other than 128, for an error that refuses it."""
+    return " (64: step41 on)" if head_dim == 64 else ""
+
+
+def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, devices=("cuda",), features: int = 0,
+                 head_dims: tuple = (HEAD_DIM,)) -> None:
     """Everything about the tensors' metadata that the kernel relies on. Raises, naming the problem.
+    `head_dims`: the last dims the step takes (q, k and v alike; abi.head_dims_of).
 
     Works on fake tensors too (torch.compile traces it; `devices` then also admits meta tensors); pointer
     alignment, overlaps and the GPU's architecture are checked at launch (check_launch). Empty inputs (batch,
@@ -89,13 +98,18 @@ def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, d
     dtypes = dtypes_of(features)
     for name, t in named.items():
         if t.dim() != 4:
-            raise ValueError(f"{where}: {name} must be 4-D [batch, heads, seqlen, {HEAD_DIM}], got shape {tuple(t.shape)}")
+            raise ValueError(f"{where}: {name} must be 4-D [batch, heads, seqlen, head dim], got shape {tuple(t.shape)}")
         if t.dtype not in dtypes:
             takes = " or ".join(map(str, dtypes)) if len(dtypes) > 1 else f"{dtypes[0]} only"
             later = " (fp16: step40 on)" if t.dtype == torch.float16 else ""
             raise TypeError(f"{where}: {name} has dtype {t.dtype}; this step computes in {takes}{later}")
-        if t.shape[-1] != HEAD_DIM:
-            raise ValueError(f"{where}: head dim must be {HEAD_DIM}, {name} has shape {tuple(t.shape)}")
+        if t.shape[-1] not in head_dims:
+            takes = " or ".join(map(str, head_dims))
+            raise ValueError(f"{where}: {name} has head dim {t.shape[-1]} (shape {tuple(t.shape)}); this step takes "
+                             f"{takes}{head_dim_hint(t.shape[-1])}")
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        raise ValueError(f"{where}: q, k and v must share one head dim, got shapes {tuple(q.shape)}, {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"{where}: q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if k.shape != v.shape:
@@ -139,11 +153,16 @@ def check_inputs(step: str, seqlen_multiple: tuple, q, k, v, o=None, lse=None, d
             raise ValueError(f"{where}: all tensors must be on one device: q is on {q.device}, {name} on {t.device}")
 
 
-def check_backward(step: str, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, devices=("cuda",)) -> None:
-    """The backward's tensors beside the forward's q, k, v (check_inputs has seen those): o and d_o of q's shape, dq,
-    dk and dv of q's, k's and v's, all of q's dtype with a contiguous last dim; lse and d_lse (None: no gradient reaches the
-    LSE) float32 [batch, heads, seqlen_q], contiguous; all on q's device. Raises, naming the problem."""
+def check_backward(step: str, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, devices=("cuda",),
+                   head_dims: tuple = (HEAD_DIM,)) -> None:
+    """The backward's tensors beside the forward's q, k, v (check_inputs has seen those): a head dim of the backward's
+    (`head_dims`: abi.head_dims_of(lib, backward=True)); o and d_o of q's shape, dq, dk and dv of q's, k's and v's, all
+    of q's dtype with a contiguous last dim; lse and d_lse (None: no gradient reaches the LSE) float32
+    [batch, heads, seqlen_q], contiguous; all on q's device. Raises, naming the problem."""
     where = f"flashladder.{step}"
+    if q.shape[-1] not in head_dims:
+        raise ValueError(f"{where}: the backward takes head dim {' or '.join(map(str, head_dims))}, this call's is "
+                         f"{q.shape[-1]} (the forward takes it: run it under torch.no_grad(), or detach q, k and v)")
     for name, t, like in (("o", o, q), ("d_o", d_o, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if t.shape != like.shape or t.dtype != q.dtype or t.stride(-1) != 1 or 0 in t.stride():
             raise ValueError(f"{where}: {name} must be a {q.dtype} tensor of shape {tuple(like.shape)} with a contiguous "

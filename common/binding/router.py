@@ -100,6 +100,8 @@ class SdpaLimits(NamedTuple):
     features: int = 0            # FEATURE_CAUSAL | FEATURE_GQA: info["causal"], info["gqa"]
     backward: bool = False       # gradients through it (info["backward"]): calls that need them are routed too ...
     gradients: bool = True       # ... unless the drop-in was asked to leave them to torch (sdpa(gradients=False))
+    head_dims: tuple = (HEAD_DIM,)      # the last dims of q, k and v it takes (info["head_dims"]) ...
+    bwd_head_dims: tuple = (HEAD_DIM,)  # ... and those its backward takes (info["backward_head_dims"])
 
 
 class CausalMask(NamedTuple):
@@ -185,11 +187,15 @@ def route_reason(call: Optional[dict], limits: SdpaLimits, grad_enabled: bool,
             return "gradients are needed: sdpa(gradients=False) leaves such calls to torch"
         if checkpointed:
             return CHECKPOINTED
+        if len(q.shape) == 4 and q.shape[-1] in limits.head_dims and q.shape[-1] not in limits.bwd_head_dims:
+            return (f"gradients are needed at head dim {q.shape[-1]}: the step's backward takes "
+                    f"{' or '.join(map(str, limits.bwd_head_dims))} (run the model under torch.no_grad())")
     try:
         checks.check_scale(limits.step, checks.check_types(limits.step, call["scale"]))
         # The op's own checks of the tensors, on meta tensors of the same shapes, strides and dtypes.
         stand_ins = [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device="meta") for t in (q, k, v)]
-        checks.check_inputs(limits.step, limits.seqlen_multiple, *stand_ins, devices=("meta",), features=limits.features)
+        checks.check_inputs(limits.step, limits.seqlen_multiple, *stand_ins, devices=("meta",), features=limits.features,
+                            head_dims=limits.head_dims)
         if q.device.type == "cuda" and limits.archs is not None:  # the GPU: the library has code for it, and the memory
             index = q.device.index if q.device.index is not None else torch.cuda.current_device()
             checks.check_device(limits.step, list(limits.archs), limits.smem_bytes, checks.device_props(index),
@@ -368,5 +374,5 @@ class SdpaRouter(TorchFunctionMode):
         scale, mask = call["scale"], describe(call["attn_mask"])
         causal = mask.alignment if isinstance(mask, CausalMask) else "top_left" if call["is_causal"] else False
         return self.attention(call["query"], call["key"], call["value"],
-                              1.0 / math.sqrt(HEAD_DIM) if scale is None else float(scale), causal=causal)
+                              1.0 / math.sqrt(call["query"].shape[-1]) if scale is None else float(scale), causal=causal)
 

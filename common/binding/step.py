@@ -64,6 +64,9 @@ class Step:
         # Exported by the steps whose backward adds dQ up across CTAs, in any order: they take an fp32 accumulator, and
         # give the same bits every call only when asked (deterministic=True), by another way.
         self.bwd_accumulates_dq = hasattr(lib, "flashladder_bwd_accumulates_dq")
+        # The head dims (q's, k's and v's last dim) of the forward and of the backward: 128 but where the library says.
+        self.head_dims = abi.head_dims_of(lib)
+        self.bwd_head_dims = abi.head_dims_of(lib, backward=True) if self.has_backward else ()
         # Exported by the steps that add dQ up in a fixed order when asked for the same bits: they take the accumulator
         # for deterministic calls too, with room after it for this many ints (the query tiles' turn counters).
         self.bwd_dq_turns = getattr(lib, "flashladder_bwd_dq_turns", None)
@@ -71,7 +74,7 @@ class Step:
             self.bwd_dq_turns.restype = ctypes.c_int64
             self.bwd_dq_turns.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int)
         self.limits = SdpaLimits(step, self.seqlen_multiple, tuple(self.archs), self.smem_bytes, features=self.features,
-                                 backward=self.has_backward)
+                                 backward=self.has_backward, head_dims=self.head_dims, bwd_head_dims=self.bwd_head_dims)
         self.fwd, self.fwd_out = self.register_ops()
         self.bwd = self.register_backward() if self.has_backward else self.refuse_backward()
         # Said at import, so that it comes before torch's own error at the first CUDA call (e.g. torch.randn(device="cuda")).
@@ -85,8 +88,8 @@ class Step:
                      "archs": self.archs, "runs_on": checks.runs_on(self.archs), "smem_bytes": self.smem_bytes,
                      "causal": bool(self.features & FEATURE_CAUSAL), "gqa": bool(self.features & FEATURE_GQA),
                      "dtypes": [str(t).removeprefix("torch.") for t in checks.dtypes_of(self.features)],
-                     "head_dims": [abi.HEAD_DIM],  # q, k and v's last dim: the one every step takes so far
-                     "backward": self.has_backward,
+                     "head_dims": list(self.head_dims),  # q's, k's and v's last dim
+                     "backward": self.has_backward, "backward_head_dims": list(self.bwd_head_dims),
                      "backward_deterministic": (None if not self.has_backward
                                                 else "on request" if self.bwd_accumulates_dq else "always"),
                      "library": lib._name, "ptxas_report": str(ptxas) if ptxas.exists() else None}  # the path: print(info) stays short
@@ -150,20 +153,20 @@ class Step:
         """The backward op, flashladder::<step>_bwd (writes dq, dk, dv), and the forward op's autograd formula, which
         calls it: a real op, so torch.compile traces the backward graph and CUDA graphs capture it. Without a backward
         the forward op has no autograd formula, and torch raises where a gradient is asked of it."""
-        step, checked, launch_bwd = self.step, self.checked, self.launch_bwd
+        step, checked, launch_bwd, head_dims = self.step, self.checked, self.launch_bwd, self.bwd_head_dims
 
         @torch.library.custom_op(f"flashladder::{step}_bwd", mutates_args=("dq", "dk", "dv"))
         def bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                 d_o: torch.Tensor, d_lse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                 scale: float, causal: int = 0, deterministic: bool = False) -> None:
             checked(q, k, v, None, None, scale, causal)
-            checks.check_backward(step, q, k, v, o, lse, d_o, d_lse, dq, dk, dv)
+            checks.check_backward(step, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, head_dims=head_dims)
             launch_bwd(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale, causal, deterministic)
 
         @bwd.register_fake
         def _(q, k, v, o, lse, d_o, d_lse, dq, dk, dv, scale, causal=0, deterministic=False):
             checked(q, k, v, None, None, scale, causal, devices=("cuda", "meta"))
-            checks.check_backward(step, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, devices=("cuda", "meta"))
+            checks.check_backward(step, q, k, v, o, lse, d_o, d_lse, dq, dk, dv, devices=("cuda", "meta"), head_dims=head_dims)
 
         def setup_context(ctx, inputs, output):
             q, k, v, scale, causal, deterministic = inputs
@@ -260,7 +263,8 @@ class Step:
         """The op's checks of its arguments (the scale, the causal code, the tensors' metadata)."""
         checks.check_scale(self.step, scale)
         checks.check_causal_code(self.step, causal, self.features)
-        checks.check_inputs(self.step, self.seqlen_multiple, q, k, v, o, lse, devices=devices, features=self.features)
+        checks.check_inputs(self.step, self.seqlen_multiple, q, k, v, o, lse, devices=devices, features=self.features,
+                            head_dims=self.head_dims)
 
     def launch(self, q, k, v, o, lse, scale: float, causal: int) -> None:
         """One call of the library on checked tensors, on the current stream: the checks only real tensors on a real

@@ -31,6 +31,14 @@ def dtype(request, mod):
     return getattr(pytest.importorskip("torch"), request.param)
 
 
+@pytest.fixture(params=[128, 64], ids=lambda d: f"d{d}")
+def head_dim(request, mod):
+    """The head dim of a numerics test: 128, then 64 for the steps that take it (info["head_dims"], step41 on)."""
+    if request.param not in mod.info["head_dims"]:
+        pytest.skip(f"{mod.__name__} takes head dim {' and '.join(map(str, mod.info['head_dims']))}")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def built():
     """Compile the selected steps once per session (nvcc; cached by content in build/dev)."""

@@ -363,7 +363,7 @@ def test_run_times_the_causal_table_on_the_gpu():
             assert out["timings"][name].get(4096) or 4096 in out["not_timed"].get(name, {}) or name in out["unavailable"], name
 
 
-# ---- the breadth tables (step40 on: fp16) ----
+# ---- the breadth tables (step40 on: fp16; step41 on: head dim 64) ----
 
 def test_the_breadth_rows_and_their_method():
     assert bench.breadth_names("step40", ["fp16"]) == {
@@ -374,8 +374,13 @@ def test_the_breadth_rows_and_their_method():
     assert method["step"] == "step40" and method["seqlens"] == [4096, 8192]
     assert method["rows"] == bench.breadth_names("step40", ["fp16"])
     assert method["tables"] == {"fp16": {"dtype": "float16", "head_dim": 128, "heads": 16}}
+    both = bench.breadth_method(bench.BreadthStep("step41", object(), ("fp16", "hdim64")), [4096])
+    assert both["tables"]["hdim64"] == {"dtype": "bfloat16", "head_dim": 64, "heads": 16}
+    assert list(both["rows"]) == ["fp16", "fp16_causal", "hdim64", "hdim64_causal"]
+    assert both["rows"]["hdim64"] == ["step41_hdim64", "sdpa_cudnn_hdim64", "fa3_hdim64"]
     torch = pytest.importorskip("torch")
-    assert all(isinstance(getattr(torch, dtype), torch.dtype) for dtype in bench.BREADTH_TABLES.values())
+    assert all(isinstance(getattr(torch, t["dtype"]), torch.dtype) and t["head_dim"] in (64, 128)
+               for t in bench.BREADTH_TABLES.values())
 
 
 def test_the_breadth_rows_call_what_the_table_says():
@@ -396,11 +401,15 @@ def test_the_breadth_rows_call_what_the_table_says():
     assert list(bench.breadth_fns("fp16", q, q, q, step, None)) == ["step40_fp16", "sdpa_cudnn_fp16"]
 
 
-def test_the_breadth_tables_step_is_the_last_that_takes_fp16():
+def test_the_breadth_tables_step_is_the_last_that_takes_fp16_or_head_dim_64():
     import types
 
     from verify import __main__ as verify_main
-    mod = lambda dtypes: types.SimpleNamespace(info={"dtypes": dtypes}, attention=object())  # noqa: E731
+    mod = lambda dtypes, dims=(128,): types.SimpleNamespace(info={"dtypes": dtypes, "head_dims": list(dims)},  # noqa: E731
+                                                            attention=object())
     modules = {"step39": mod(["bfloat16"]), "step40": mod(["bfloat16", "float16"]), "step41": mod(["bfloat16"])}
     assert verify_main.breadth_step(modules) == bench.BreadthStep("step40", modules["step40"].attention, ("fp16",))
     assert verify_main.breadth_step({"step39": mod(["bfloat16"])}) is None and verify_main.breadth_step({}) is None
+    modules["step41"] = mod(["bfloat16", "float16"], (64, 128))
+    assert verify_main.breadth_step(modules) == bench.BreadthStep("step41", modules["step41"].attention, ("fp16", "hdim64"))
+    assert verify_main.breadth_step({"s": mod(["bfloat16"], (64, 128))}).tables == ("hdim64",)

@@ -185,7 +185,13 @@ def test_a_step_s_features_are_its_library_s(mod):
     features = lib.flashladder_features() if hasattr(lib, "flashladder_features") else 0
     assert (mod.info["causal"], mod.info["gqa"]) == (bool(features & binding.FEATURE_CAUSAL), bool(features & binding.FEATURE_GQA))
     assert mod.info["dtypes"] == (["bfloat16", "float16"] if features & binding.FEATURE_FP16 else ["bfloat16"])
-    assert mod.info["head_dims"] == [128]
+    assert mod.info["head_dims"] == list(binding.head_dims_of(lib))
+    assert mod.info["backward_head_dims"] == (list(binding.head_dims_of(lib, backward=True)) if mod.info["backward"] else [])
+    assert set(mod.info["head_dims"]) <= set(binding.HEAD_DIMS) and 128 in mod.info["head_dims"]
+    assert (mod.sdpa().limits.head_dims, mod.sdpa().limits.bwd_head_dims) == (tuple(mod.info["head_dims"]),
+                                                                             tuple(mod.info["backward_head_dims"]))
+    if int(mod.info["step"][4:]) < 41:
+        assert not hasattr(lib, "flashladder_head_dims") and mod.info["head_dims"] == [128]
     known = binding.FEATURE_CAUSAL | binding.FEATURE_GQA | binding.FEATURE_FP16
     assert features & ~known == 0, f"unknown feature bits {features:#x}"
     assert mod.sdpa().limits.features == features
@@ -196,14 +202,16 @@ def test_a_step_s_features_are_its_library_s(mod):
 
 def test_the_params_mirror_puts_the_new_fields_after_the_scale():
     """FwdParams' ABI-4 fields follow `scale` in the C struct's order, each an int32, ABI 5's workspace pointer
-    follows them, 8-byte aligned as the C compiler puts it (the library checks the size only), and ABI 6's dtype, an
-    int32, comes last (in BwdParams too)."""
+    follows them, 8-byte aligned as the C compiler puts it (the library checks the size only), then ABI 6's dtype and
+    ABI 7's head_dim and head_dim_v, int32s, come last (in BwdParams too)."""
     import binding
     names = [name for name, _ in binding.FwdParams._fields_]
-    assert names[-6:] == ["scale", "heads_k", "causal", "causal_offset", "workspace", "dtype"]
-    assert dict(binding.FwdParams._fields_)["dtype"] is ctypes.c_int32
+    assert names[-8:] == ["scale", "heads_k", "causal", "causal_offset", "workspace", "dtype", "head_dim", "head_dim_v"]
+    assert all(dict(binding.FwdParams._fields_)[f] is ctypes.c_int32 for f in ("dtype", "head_dim", "head_dim_v"))
     assert binding.FwdParams.dtype.offset == binding.FwdParams.workspace.offset + 8
-    assert binding.abi.BwdParams._fields_[-2:] == [("deterministic", ctypes.c_int32), ("dtype", ctypes.c_int32)]
+    assert binding.FwdParams.head_dim_v.offset == binding.FwdParams.head_dim.offset + 4 == binding.FwdParams.dtype.offset + 8
+    assert binding.abi.BwdParams._fields_[-4:] == [("deterministic", ctypes.c_int32), ("dtype", ctypes.c_int32),
+                                                   ("head_dim", ctypes.c_int32), ("head_dim_v", ctypes.c_int32)]
     assert binding.DTYPE_CODE == {torch.bfloat16: 0, torch.float16: 1}  # FLASHLADDER_BF16, FLASHLADDER_FP16
     assert all(getattr(binding.FwdParams, f).offset == binding.FwdParams.scale.offset + 4 * (i + 1)
                for i, f in enumerate(("heads_k", "causal", "causal_offset")))

@@ -76,12 +76,14 @@ def rounded_reference(case):
     return torch.from_numpy(case.o_ref).to(case.q.dtype), torch.from_numpy(case.lse_ref).to(torch.float32)
 
 
-@pytest.fixture(scope="module", params=[(1.0, None, torch.bfloat16), (10.0, None, torch.bfloat16), (1.0, 0.3, torch.bfloat16),
-                                        (1.0, None, torch.float16), (10.0, None, torch.float16)],
-                ids=["x1", "x10", "x1-scale0.3", "fp16-x1", "fp16-x10"])
+@pytest.fixture(scope="module", params=[(1.0, None, torch.bfloat16, 128), (10.0, None, torch.bfloat16, 128),
+                                        (1.0, 0.3, torch.bfloat16, 128), (1.0, None, torch.float16, 128),
+                                        (10.0, None, torch.float16, 128), (1.0, None, torch.bfloat16, 64),
+                                        (10.0, None, torch.bfloat16, 64)],
+                ids=["x1", "x10", "x1-scale0.3", "fp16-x1", "fp16-x10", "d64-x1", "d64-x10"])
 def cpu_case(request):
-    factor, scale, dtype = request.param
-    return prepare(*make_inputs(2, 3, 128, 192, factor=factor, device="cpu", dtype=dtype), scale=scale)
+    factor, scale, dtype, head_dim = request.param
+    return prepare(*make_inputs(2, 3, 128, 192, factor=factor, device="cpu", dtype=dtype, head_dim=head_dim), scale=scale)
 
 
 def test_correct_output_passes(cpu_case):
@@ -182,15 +184,16 @@ def test_the_o_bound_is_per_element():
 TILES = [(64, 64), (128, 64), (128, 176)]  # steps 01, 02-07, and a tile that is not a power of two
 
 
+@pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("kind", ADVERSARIAL)
-def test_adversarial_inputs(kind, tiles):
-    """Each adversarial case has the property it is built for; the rounded reference and a kernel in the
-    class pass the verdict on it."""
+def test_adversarial_inputs(kind, tiles, head_dim):
+    """Each adversarial case has the property it is built for, at head dim 128 and 64 (step41 on); the rounded
+    reference and a kernel in the class pass the verdict on it."""
     tile_q, tile_k = tiles
-    q, k, v = adversarial_inputs(kind, tile_q, tile_k, device="cpu")
-    assert q.shape[2] == 2 * tile_q and k.shape[2] == checks.ADVERSARIAL_K_TILES * tile_k
-    s = (q.double() @ k.double().transpose(-1, -2)).numpy() * checks.DEFAULT_SCALE  # [1, 2, nq, nk]
+    q, k, v = adversarial_inputs(kind, tile_q, tile_k, device="cpu", head_dim=head_dim)
+    assert q.shape[2] == 2 * tile_q and k.shape[2] == checks.ADVERSARIAL_K_TILES * tile_k and q.shape[3] == head_dim
+    s = (q.double() @ k.double().transpose(-1, -2)).numpy() * checks.default_scale(head_dim)  # [1, 2, nq, nk]
     tile_max = s.reshape(*s.shape[:-1], -1, tile_k).max(-1)                          # [1, 2, nq, tiles]
     if kind == "max_grows_every_tile":
         assert (np.diff(tile_max, axis=-1) > 0).all()

@@ -267,7 +267,7 @@ FALLS_BACK = {
     "fp16": (lambda q, k, v: ((q.half(), k.half(), v.half(), None, True), {}),
              "q has dtype torch.float16; this step computes in torch.bfloat16 only (fp16: step40 on)"),
     "head dim 64": (lambda q, k, v: ((q[..., :64], k[..., :64], v[..., :64], None, True), {}),
-                    "head dim must be 128, q has shape (1, 2, 40, 64)"),
+                    "q has head dim 64 (shape (1, 2, 40, 64)); this step takes 128 (64: step41 on)"),
     "heads differ": (lambda q, k, v: ((q, k[:, :1], v[:, :1], None, True), {}), "2 query heads and 1 key/value heads without enable_gqa"),
     "unknown argument": (lambda q, k, v: ((q, k, v, None, True), {"window": 3}),
                          "the arguments do not bind to the cuDNN attention op's parameters"),

@@ -289,10 +289,11 @@ def test_only_steps_keeps_the_peers_and_drops_a_causal_table_whose_step_goes():
 
 # ---- the breadth tables (a step that takes fp16: bench.run's breadth rows) ----
 
-def with_breadth(run, step="step40", fa3=True):
+def with_breadth(run, step="step40", fa3=True, tables=("fp16",)):
     """The run (with its causal table) and breadth tables: their rows at the causal N (every figure synthetic)."""
     seqlens = bench.causal_seqlens(run["seqlens"])
-    for table, impls in bench.breadth_names(step, ["fp16"]).items():
+    for table, impls in bench.breadth_names(step, tables).items():
+        d = bench.BREADTH_TABLES[table.removesuffix("_causal")]["head_dim"]
         for i, impl in enumerate(impls):
             if impl.startswith("fa3_") and not fa3:
                 continue
@@ -300,9 +301,9 @@ def with_breadth(run, step="step40", fa3=True):
             for n in seqlens:
                 batch, heads, _ = bench.shape_of(n)
                 _, _, cell = timed(quick_fall, timing=QUICK, call_s=FAST_S / (2 + i) * n / seqlens[0])
-                work = (bench.causal_flops if table.endswith("_causal") else bench.flops)(batch, heads, n)
+                work = (bench.causal_flops if table.endswith("_causal") else bench.flops)(batch, heads, n, d)
                 run["timings"][impl][str(n)] = bench.with_tflops(cell | {"batch": batch, "heads": heads}, work)
-    run["breadth"] = bench.breadth_method(bench.BreadthStep(step, None, ("fp16",)), seqlens)
+    run["breadth"] = bench.breadth_method(bench.BreadthStep(step, None, tables), seqlens)
     run["checks"][step] = "passed"
     return run
 
@@ -313,7 +314,8 @@ def test_the_breadth_tables_follow_the_causal_one(tmp_path):
     markdown = report.markdown_table(run)
     breadth = markdown.split("\n\n")[-2:]
     lines = breadth[0].splitlines()
-    assert lines[0] == "| fp16 | N=4K | N=8K | N=16K | × bf16 (4K/8K/16K) | × cuDNN (4K/8K/16K) | × FA3 (4K/8K/16K) |"
+    assert lines[0] == ("| breadth | N=4K | N=8K | N=16K | × bf16 d128 (4K/8K/16K) | × cuDNN (4K/8K/16K) | "
+                        "× FA3 (4K/8K/16K) |")
     assert [ln.split(" | ")[0] for ln in lines[2:]] == [
         "| step40 fp16", "| SDPA cuDNN fp16", "| FlashAttention-3 fp16",
         "| step40 fp16 causal", "| SDPA cuDNN fp16 causal", "| FlashAttention-3 fp16 causal"]
@@ -327,14 +329,33 @@ def test_the_breadth_tables_follow_the_causal_one(tmp_path):
     cudnn = next(ln for ln in lines if ln.startswith("| SDPA cuDNN fp16 |"))
     vs_bf16 = " / ".join(f"{tf('sdpa_cudnn_fp16', n) / tf('sdpa_cudnn', n):.2f}" for n in bench.CAUSAL_SEQLENS)
     assert f"| {vs_bf16} |  |" in cudnn, cudnn  # over its own bf16; not over itself
-    assert "× bf16: over the same implementation in bf16" in breadth[1] and "Not timed" not in breadth[1]
+    assert "× bf16 d128: over the same implementation in bf16 at head dim 128" in breadth[1] and "Not timed" not in breadth[1]
+    assert "(fp16: float16, d = 128)" in breadth[1], breadth[1]
     console = report.console_table(run).split("\n\n")[-1].splitlines()
-    assert console[0].startswith("fp16") and "×bf16(4K/8K/16K)" in console[0] and len(console) == 2 + 6
+    assert console[0].startswith("breadth") and "×bf16d128(4K/8K/16K)" in console[0] and len(console) == 2 + 6
     kept = report.only_steps(run, ["step39"])
-    assert "| fp16 |" not in report.markdown_table(kept) and not report.breadth_names(kept)
+    assert "| breadth |" not in report.markdown_table(kept) and not report.breadth_names(kept)
+
+
+def test_the_head_dim_64_rows_are_read_against_the_step_s_head_dim_128(tmp_path):
+    """A step that takes head dim 64 (step41) gets rows of its own in the breadth tables, each over the same
+    implementation's bf16 at 128 in the same shapes, its TFLOP/s counted at d = 64."""
+    run = synthetic_run(bench.SEQLENS_OF_RECORD, steps=("step40", "step41"), peers=("fa3",))
+    run = as_loaded(with_breadth(with_causal(run, step="step41"), step="step41", tables=("fp16", "hdim64")), tmp_path)
+    lines = report.markdown_table(run).split("\n\n")[-2].splitlines()
+    assert [ln.split(" | ")[0] for ln in lines[2:]][6:] == [
+        "| step41 head dim 64", "| SDPA cuDNN head dim 64", "| FlashAttention-3 head dim 64",
+        "| step41 head dim 64 causal", "| SDPA cuDNN head dim 64 causal", "| FlashAttention-3 head dim 64 causal"]
+    tf = lambda impl, n: report._tf(run, impl, n)  # noqa: E731
+    row = next(ln for ln in lines if ln.startswith("| step41 head dim 64 |"))
+    vs_128 = " / ".join(f"{tf('step41_hdim64', n) / tf('step41', n):.2f}" for n in bench.CAUSAL_SEQLENS)
+    assert f"| {vs_128} |" in row, row
+    cell = run["timings"]["step41_hdim64"]["4096"]
+    assert cell["tflops"] == pytest.approx(bench.flops(cell["batch"], cell["heads"], 4096, 64) / cell["median_ms"] / 1e9)
+    assert "head dim 64: bfloat16, d = 64" in report.markdown_table(run).split("\n\n")[-1]
 
 
 def test_a_run_without_breadth_tables_renders_as_before():
     run = synthetic_run(bench.SEQLENS_OF_RECORD)
     assert report.breadth_rows(run) == [] and report.breadth_markdown_table(run) == "" and report.breadth_names(run) == []
-    assert "| fp16 |" not in report.markdown_table(run) and "fp16" not in report.console_table(run)
+    assert "| breadth |" not in report.markdown_table(run) and "fp16" not in report.console_table(run)

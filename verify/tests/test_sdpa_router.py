@@ -101,9 +101,10 @@ FALLS_BACK = {
                                 "attn_mask is a causal bias (top_left): the step is non-causal"),
     "fp16": (lambda: (qkv(dtype=torch.float16), {}), "cuda:0",
              "q has dtype torch.float16; this step computes in torch.bfloat16 only (fp16: step40 on)"),
-    "head dim 64": (lambda: (qkv(d=64), {}), "cuda:0", "head dim must be 128, q has shape (1, 2, 128, 64)"),
+    "head dim 64": (lambda: (qkv(d=64), {}), "cuda:0",
+                    "q has head dim 64 (shape (1, 2, 128, 64)); this step takes 128 (64: step41 on)"),
     "3-D": (lambda: ((meta(2, 128, 128),) * 3, {}), "cuda:0",
-            "q must be 4-D [batch, heads, seqlen, 128], got shape (2, 128, 128)"),
+            "q must be 4-D [batch, heads, seqlen, head dim], got shape (2, 128, 128)"),
     "seqlen not a multiple": (lambda: (qkv(n=100), {}), "cuda:0",
                               "q seqlen 100 is not supported: this step needs a multiple of 64"),
     "last dim strided": (lambda: ((meta(1, 2, 128, 256)[..., ::2],) * 3, {}), "cuda:0",
@@ -930,3 +931,28 @@ def test_a_step_with_fp16_takes_fp16_calls(features, dtype, reason, on_h200):
     assert binding.route_reason(described(mixed), CAUSAL_LIMITS._replace(features=FEATURES | binding.FEATURE_FP16),
                                 grad_enabled=False) == ("q, k and v must share one dtype, got torch.bfloat16, "
                                                         "torch.float16 and torch.bfloat16")
+
+
+@pytest.mark.parametrize("head_dims, bwd_head_dims, d, grad, reason", [
+    ((128,), (128,), 64, False, "q has head dim 64 (shape (1, {h}, 128, 64)); this step takes 128 (64: step41 on)"),
+    ((64, 128), (128,), 64, False, None),
+    ((64, 128), (128,), 128, True, None),
+    ((64, 128), (128,), 64, True, "gradients are needed at head dim 64: the step's backward takes 128 (run the model "
+                                  "under torch.no_grad())"),
+    ((64, 128), (64, 128), 64, True, None),
+    ((64, 128), (128,), 96, True, "q has head dim 96 (shape (1, {h}, 128, 96)); this step takes 64 or 128"),
+], ids=["step-128-call-64", "step-64-call-64", "step-64-grad-128", "step-64-grad-64", "bwd-64-grad-64", "call-96"])
+def test_a_step_takes_the_head_dims_it_names(head_dims, bwd_head_dims, d, grad, reason, on_h200):
+    """info["head_dims"] (step41 on: 64 and 128) routes calls of those head dims, causal and grouped ones too; those
+    that need gradients only where the backward takes their head dim (info["backward_head_dims"]); the others stay
+    with torch, saying why."""
+    limits = CAUSAL_LIMITS._replace(features=FEATURES, backward=True, head_dims=head_dims, bwd_head_dims=bwd_head_dims)
+    q, k, v = (meta(1, 2, 128, d, requires_grad=grad) for _ in range(3))
+    grouped = meta(1, 4, 128, d, requires_grad=grad)
+    for args, kwargs in (((q, k, v), {}), ((q, k, v), {"is_causal": True}), ((grouped, k, v), {"enable_gqa": True})):
+        want = reason and reason.format(h=args[0].shape[1])
+        assert binding.route_reason(described(args, kwargs), limits, grad_enabled=True) == want, (args[0].shape, kwargs)
+    mixed = (meta(1, 2, 128, 64), meta(1, 2, 128, 64), meta(1, 2, 128, 128))
+    assert binding.route_reason(described(mixed), limits, grad_enabled=False) == (
+        "q, k and v must share one head dim, got shapes (1, 2, 128, 64), (1, 2, 128, 64) and (1, 2, 128, 128)"
+        if 64 in head_dims else "q has head dim 64 (shape (1, 2, 128, 64)); this step takes 128 (64: step41 on)")

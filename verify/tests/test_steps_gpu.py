@@ -5,7 +5,8 @@ whatever its tiles, gets its smallest cases. Inputs come from one seed per run (
 FLASHLADDER_SEED=... that replays it); the float64 reference of each case is computed on the GPU in float64
 (verify/reference.py). A step with causal masks or grouped key/value heads (info["causal"], info["gqa"]: step15)
 is checked with them too, at ragged lengths up to 32760, including rows and whole work tiles that see no key. A step that
-takes fp16 (info["dtypes"]: step40) runs the numerics tests in fp16 as well (the `dtype` fixture, conftest.py).
+takes fp16 (info["dtypes"]: step40) runs the numerics tests in fp16 as well (the `dtype` fixture, conftest.py), and one
+that takes head dim 64 (info["head_dims"]: step41) at 64 as well (the `head_dim` fixture).
 """
 import re
 
@@ -60,8 +61,8 @@ def assert_passes(mod, err, what):
 
 @pytest.mark.parametrize("factor", [1.0, 10.0], ids=["x1", "x10"])
 @pytest.mark.parametrize("shape", SHAPES_IN_TILES, ids=lambda s: "tiles" + "x".join(map(str, s)))
-def test_matches_float64_reference(mod, shape, factor, dtype):
-    case = random_case(*in_elements(mod, *shape), factor, dtype=dtype)
+def test_matches_float64_reference(mod, shape, factor, dtype, head_dim):
+    case = random_case(*in_elements(mod, *shape), factor, dtype=dtype, head_dim=head_dim)
     assert_passes(mod, check(mod, case), case.label)
 
 
@@ -84,25 +85,25 @@ def takes_any_seqlen(mod):
 
 @pytest.mark.parametrize("factor", [1.0, 10.0], ids=["x1", "x10"])
 @pytest.mark.parametrize("shape", RAGGED_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_any_seqlen(mod, shape, factor, dtype):
+def test_any_seqlen(mod, shape, factor, dtype, head_dim):
     """At x1 a zero key that escaped the mask adds e^0 to l against row scores near 3, so it moves the LSE by
     log(1 + escaped / l), >= ~1e-3 at these shapes, ~100x the LSE bound (test_checks.py shows the verdict
     rejecting it). x10 makes the rows peaked, where steps 13-14's conditional rescale rounds a dominant P that the
     yardstick gets exactly (checks.O_P_ROUNDING), and here in outputs of as few as 5 rows."""
     if not takes_any_seqlen(mod):
         pytest.skip("this step needs seqlens that are multiples of its tiles (test_errors.py checks it says so)")
-    case = random_case(*shape, factor, dtype=dtype)
+    case = random_case(*shape, factor, dtype=dtype, head_dim=head_dim)
     assert_passes(mod, check(mod, case), case.label)
 
 
-def test_writes_nothing_past_seqlen_q(mod):
+def test_writes_nothing_past_seqlen_q(mod, head_dim):
     """The rows a step computes past seqlen_q (its last tile's padding) are never stored: o and lse are views at
     the start of larger NaN-poisoned buffers, whose tails must come back untouched."""
     if not takes_any_seqlen(mod):
         pytest.skip("this step needs seqlens that are multiples of its tiles")
     n, extra = 200, 256
-    q, k, v = make_inputs(1, 1, n, 333)
-    o_big = torch.full((1, 1, n + extra, 128), float("nan"), dtype=torch.bfloat16, device=q.device)
+    q, k, v = make_inputs(1, 1, n, 333, head_dim=head_dim)
+    o_big = torch.full((1, 1, n + extra, head_dim), float("nan"), dtype=torch.bfloat16, device=q.device)
     lse_big = torch.full((1, 1, n + extra), float("nan"), dtype=torch.float32, device=q.device)
     o, lse = o_big[:, :, :n], lse_big[:, :, :n]
     assert o.is_contiguous() and lse.is_contiguous()
@@ -114,16 +115,16 @@ def test_writes_nothing_past_seqlen_q(mod):
 
 
 @pytest.mark.parametrize("kind", ADVERSARIAL)
-def test_adversarial_values(mod, kind, dtype):
+def test_adversarial_values(mod, kind, dtype, head_dim):
     """The numpy model's adversarial cases (verify/tests/test_model.py) against the kernel: see checks.ADVERSARIAL."""
-    case = adversarial_case(kind, *tiles(mod), dtype=dtype)
+    case = adversarial_case(kind, *tiles(mod), dtype=dtype, head_dim=head_dim)
     assert_passes(mod, check(mod, case), f"{case.label}: {ADVERSARIAL[kind]}")
 
 
 @pytest.mark.parametrize("factor", [1.0, 10.0], ids=["x1", "x10"])
-def test_checks_reject_one_corrupted_row(mod, factor, dtype):
+def test_checks_reject_one_corrupted_row(mod, factor, dtype, head_dim):
     """The verdict passes this step's output and rejects it with one row of one head (or one LSE entry) wrong."""
-    case = random_case(*in_elements(mod, 2, 3, 2, 3), factor, dtype=dtype)
+    case = random_case(*in_elements(mod, 2, 3, 2, 3), factor, dtype=dtype, head_dim=head_dim)
     o, lse = run_poisoned(mod, case.q, case.k, case.v, case.scale)
     assert_passes(mod, errors_of(case, o, lse), case.label)
     for kind, message in CORRUPTIONS.items():
@@ -356,19 +357,19 @@ CAUSAL_CASES = [(shape, a) for shape in CAUSAL_SHAPES for a in ALIGNMENTS if not
 
 
 @pytest.mark.parametrize("shape, alignment", CAUSAL_CASES, ids=lambda x: x if isinstance(x, str) else "x".join(map(str, x)))
-def test_causal(mod, shape, alignment, dtype):
+def test_causal(mod, shape, alignment, dtype, head_dim):
     needs_causal(mod)
-    case = random_case(*shape, 1.0, alignment, dtype=dtype)
+    case = random_case(*shape, 1.0, alignment, dtype=dtype, head_dim=head_dim)
     assert_passes(mod, check(mod, case), case.label)
 
 
 @pytest.mark.parametrize("alignment", ALIGNMENTS)
 @pytest.mark.parametrize("shape", [(2, 3, 127, 129), (2, 3, 129, 127), (2, 2, 200, 1000), (2, 2, 1000, 129)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_causal_x10(mod, shape, alignment, dtype):
+def test_causal_x10(mod, shape, alignment, dtype, head_dim):
     """Peaked rows (inputs x10) under the mask: a row near the diagonal sees few keys, one of which dominates."""
     needs_causal(mod)
-    case = random_case(*shape, 10.0, alignment, dtype=dtype)
+    case = random_case(*shape, 10.0, alignment, dtype=dtype, head_dim=head_dim)
     assert_passes(mod, check(mod, case), case.label)
 
 
@@ -379,14 +380,14 @@ GROUPED_SHAPES = [(2, 32, 8, 300, 1000), (2, 32, 8, 1000, 129), (1, 32, 1, 300, 
 
 @pytest.mark.parametrize("causal", [False, *ALIGNMENTS], ids=str)
 @pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_grouped_key_value_heads(mod, shape, causal, dtype):
+def test_grouped_key_value_heads(mod, shape, causal, dtype, head_dim):
     """Query head h reads key/value head h // (heads // heads_k): a step reading h % heads_k (or any other map) fails
     here for 32/8, 8/2 (test_checks.py shows the verdict rejecting it)."""
     needs_gqa(mod)
     if causal:
         needs_causal(mod)
     batch, heads, heads_k, nq, nk = shape
-    case = random_case(batch, heads, nq, nk, 1.0, causal, heads_k, dtype=dtype)
+    case = random_case(batch, heads, nq, nk, 1.0, causal, heads_k, dtype=dtype, head_dim=head_dim)
     assert_passes(mod, check(mod, case), case.label)
 
 
@@ -402,14 +403,14 @@ KEYLESS_SHAPES = [
 
 
 @pytest.mark.parametrize("shape", KEYLESS_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_rows_that_see_no_key_are_zero_and_minus_inf(mod, shape, dtype):
+def test_rows_that_see_no_key_are_zero_and_minus_inf(mod, shape, dtype, head_dim):
     """Exactly: o = 0 and lse = -inf in every row that sees no key (whole work tiles of them included), written over
     the NaN poison; the rows after them within the verdict's bounds; the functional API the same."""
     needs_causal(mod)
     batch, heads, heads_k, nq, nk = shape
     if heads_k != heads:
         needs_gqa(mod)
-    q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k, dtype=dtype)
+    q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k, dtype=dtype, head_dim=head_dim)
     case = prepare(q, k, v, causal="bottom_right", label=f"{'x'.join(map(str, shape))} bottom right, {dtype}")
     o, lse = run_poisoned(mod, q, k, v, causal="bottom_right")
     none = nq - nk
@@ -441,12 +442,12 @@ def test_causal_writes_nothing_past_seqlen_q(mod):
 
 @pytest.mark.parametrize("alignment", ALIGNMENTS)
 @pytest.mark.parametrize("kind", [*CAUSAL_ADVERSARIAL, *ADVERSARIAL])
-def test_causal_adversarial_values(mod, kind, alignment, dtype):
+def test_causal_adversarial_values(mod, kind, alignment, dtype, head_dim):
     """The adversarial cases under either corner's mask (1 x 2 x 2 tiles x 8 tiles): top left, the first rows see their
     diagonal tile alone and no row sees the last 6 K tiles; bottom right, every row sees the first 6. The causal one
     (masked_keys_above_by_100) puts the keys a row must not see ~100 nats above the ones it sees, in its diagonal tile."""
     needs_causal(mod)
-    case = adversarial_case(kind, *tiles(mod), alignment, dtype=dtype)
+    case = adversarial_case(kind, *tiles(mod), alignment, dtype=dtype, head_dim=head_dim)
     assert_passes(mod, check(mod, case), f"{case.label}: {CAUSAL_ADVERSARIAL.get(kind) or ADVERSARIAL[kind]}")
 
 
@@ -641,12 +642,12 @@ def needs_split_tail(mod):
 
 
 @pytest.mark.parametrize("shape", TAIL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_split_tail(mod, shape, dtype):
+def test_split_tail(mod, shape, dtype, head_dim):
     needs_split_tail(mod)
     batch, heads, heads_k, nq, nk = shape
     if heads_k != heads:
         needs_gqa(mod)
-    case = random_case(batch, heads, nq, nk, 1.0, heads_k=None if heads_k == heads else heads_k, dtype=dtype)
+    case = random_case(batch, heads, nq, nk, 1.0, heads_k=None if heads_k == heads else heads_k, dtype=dtype, head_dim=head_dim)
     assert_passes(mod, check(mod, case), case.label)
 
 
