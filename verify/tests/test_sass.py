@@ -833,9 +833,10 @@ def test_causal_deterministic_calls_take_turns_from_the_last_key_tile_step39(cuo
 
 def bf16_builds(opcodes: dict[str, collections.Counter]) -> dict[str, collections.Counter]:
     """A step's kernels as a step without fp16 names them: from step40 on each kernel is built for bf16 and fp16, its
-    first template argument the type (kernel<__nv_bfloat16, ...>); here its bf16 build alone, that argument dropped."""
-    return {name.replace("I13__nv_bfloat16L", "IL").replace("I13__nv_bfloat16E", "IE"): c
-            for name, c in opcodes.items() if "6__half" not in name}
+    first template argument the type (kernel<__nv_bfloat16, ...>); here its bf16 build alone, that argument dropped.
+    From step41 on the forward's kernels take the head dim next (kernel<__nv_bfloat16, 128, ...>): its build at 128."""
+    return {name.replace("I13__nv_bfloat16Li128EL", "IL").replace("I13__nv_bfloat16L", "IL").replace("I13__nv_bfloat16E", "IE"): c
+            for name, c in opcodes.items() if "6__half" not in name and "Li64E" not in name}
 
 
 @pytest.mark.parametrize("later", [s for s in steps_mod.all_steps() if int(s[4:]) > 22])
@@ -896,3 +897,30 @@ def test_each_kernel_is_built_for_bf16_and_fp16_step40(cuobjdump):
             assert all(".BF16" not in op for op in typed), f"{name}: bf16 {kind} in the fp16 build: {typed}"
             assert sum(typed.values()) == sum(n for op, n in twin.items() if op.startswith(kind)), (name, kind)
         assert sum(n for op, n in twin.items() if op.startswith("HGMMA") or op.startswith("F2FP")) > 0, name
+
+
+def test_the_head_dim_is_a_template_parameter_step41(cuobjdump):
+    """step41's header: the forward's kernels take the head dim (64 or 128) as a template parameter; at 128 they are
+    step40's, opcode for opcode (the backward's too); at 64 (one CTA per cluster: no paired build) each holds its twin's
+    exponentials and, of its HGMMAs, S = Q K^T over 4 k-steps of 16 where 128 has 8 (at 128 the products' halves are S and
+    P V, 8 each per block: S's at 64 are a quarter of 128's total), P V at N = 64 (half of 128's total, as many as there),
+    and one TMA copy per tile where 128 has two (the halves of a row)."""
+    ops = kernel_opcodes(cuobjdump, ("step40", "step41"))
+    step40 = {comparable(name): c for name, c in ops["step40"].items()}
+    at128 = {comparable(name.replace("Li128E", "")): c for name, c in ops["step41"].items() if "Li64E" not in name}
+    assert sorted(at128) == sorted(step40), (sorted(at128), sorted(step40))
+    for name, old in step40.items():
+        assert not apart(old, at128[name]), f"step41's {name} at head dim 128: {apart(old, at128[name])}"
+    at64 = {name: c for name, c in ops["step41"].items() if "Li64E" in name}
+    assert len(at64) == 6 and all("Li64ELb0E" in name for name in at64), sorted(at64)  # bf16, fp16 x dense, split, causal
+
+    def count(c, prefix):
+        return sum(n for op, n in c.items() if op.startswith(prefix))
+    for name, c in at64.items():
+        twin = ops["step41"][name.replace("Li64E", "Li128E")]
+        hgmma = count(twin, "HGMMA.64x128x16")
+        assert hgmma > 0 and count(twin, "HGMMA.64x64x16") == 0, name
+        assert count(c, "HGMMA.64x128x16") == hgmma // 4 and count(c, "HGMMA.64x64x16") == hgmma // 2, (name, c)
+        assert count(c, "HGMMA") == count(c, "HGMMA.64x128x16") + count(c, "HGMMA.64x64x16"), name
+        assert c["MUFU.EX2"] == twin["MUFU.EX2"] > 0, name
+        assert 2 * count(c, "UTMALDG") == count(twin, "UTMALDG") > 0 and 2 * count(c, "UTMASTG") == count(twin, "UTMASTG") > 0, name
