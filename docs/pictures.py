@@ -1475,8 +1475,8 @@ def descriptor_advance(k: Code):
     shifts = tuple(int(v) for v in k.find("common/wgmma.cuh", r"lbo_bytes[^;]*?<< (\d+)\)[^;]*?sbo_bytes[^;]*?<< (\d+)\)"
                                            r"[^;]*?swizzle << (\d+)\)", "wgmma_desc's field positions"))
     atom = k.read("common/wgmma.cuh", "WGMMA_ATOM_BYTES")
-    q_half, kstep, per_half, qk_steps = (k.final("Q_HALF_BYTES"), k.final("KSTEP_BYTES"), k.final("KSTEPS_PER_HALF"),
-                                        k.final("QK_STEPS"))
+    q_half, kstep, per_half = k.final("Q_HALF_BYTES"), k.final("KSTEP_BYTES"), k.final("KSTEPS_PER_HALF")
+    qk_steps = k.read("common/flashladder.cuh", "HEAD_DIM") // 16  # QK_STEPS at head dim 128 (the final step's QK_STEPS<D>)
     q_addr = 0                                                   # Q is the first member of the shared storage
     base = wgmma_desc(q_addr, 16, atom, shifts)
     fig = plt.figure(figsize=(13, 6.8))
@@ -1549,7 +1549,7 @@ def split_order_schedule(split: bool, v_lands: float, t_s: float, t_pv: float, t
 
 @picture("split_order.png")
 def split_order(k: Code):
-    qk_steps = k.final("QK_STEPS")
+    qk_steps = k.read("common/flashladder.cuh", "HEAD_DIM") // 16  # QK_STEPS at head dim 128 (the final step's QK_STEPS<D>)
     durations = dict(v_lands=0.3, t_s=0.5, t_pv=0.5, t_max=0.12, t_exp=0.36, t_p=0.07, t_rescale=0.05)
     colours = {"S = Q K^T": "#e0a060", "P V": C_COMPUTE, "wait V": C_WAIT, "max": C_SOFTMAX, "exp row 0": C_SOFTMAX,
                "exp row 1": "#4c9f99", "P row 0": "#a6d5d1", "P row 1": "#a6d5d1", "P rows 0, 1": "#a6d5d1",

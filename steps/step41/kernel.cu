@@ -225,7 +225,7 @@ __device__ __forceinline__ int kv_row(int kv_tile, int num_kv_tiles) { return (n
 // are all whole tiles.
 constexpr int MAX_SPLIT_CTAS = 512;  // the workspace's flags: one per consumer warpgroup of this many CTAs
 constexpr int FLAGS_BYTES = MAX_SPLIT_CTAS * NUM_CONSUMERS * sizeof(int);
-constexpr int PARTIAL_FLOAT4S = O_BLOCKS<128> + 1;  // a consumer thread's partial: O_acc, then m_i[0..1] and l_i[0..1]
+constexpr int PARTIAL_FLOAT4S = HEAD_DIM / 8 + 1;  // a consumer thread's partial: O_acc (D = 128's), then m_i[0..1], l_i[0..1]
 __host__ __device__ constexpr int64_t workspace_bytes(int ctas) {
     return FLAGS_BYTES + int64_t(ctas) * NUM_CONSUMERS * PARTIAL_FLOAT4S * WARPGROUP_THREADS * sizeof(float4);
 }
