@@ -25,7 +25,8 @@
 //   well under 128's rate in TFLOP/s (FA3 at 64: ~0.75x its rate at 128). Head dim 128 unchanged.
 // MEASURED: (no GPU run yet)
 // CHECKED: without a GPU, in the SASS (test_sass.py): the kernels at 128 are step40's, opcode for opcode; those at 64
-//   hold a quarter of the QK^T HGMMAs, all their P V ones at N = 64, one TMA copy per tile; 0 spills.
+//   issue S = Q K^T in 4 k-steps where 128 takes 8, P V at N = 64, one TMA copy per tile where 128 takes two, and as many
+//   exponentials; 0 spills.
 #include <climits>
 
 #include "flashladder.cuh"

@@ -75,9 +75,10 @@ def point_problems(source: str) -> list[str]:
                 # and so is any epilogue barrier)
                 "TURN_WAIT_BEGIN": sum(1 for b, n in re.findall(r"named_barrier_sync\(([^,]+),\s*([^)]+)\)", code)
                                        if n.strip() not in ("WARPGROUP_THREADS", "128") and "EPILOGUE" not in b),
-                "TMA_K": len(re.findall(r"(?:load_tile_tma|load_kv_tile)<\w+>\(smem\.K\b", code)),
-                "TMA_V": len(re.findall(r"(?:load_tile_tma|load_kv_tile)<\w+>\(smem\.V\b", code)),
-                "TMA_Q": len(re.findall(r"load_tile_tma<\w+>\(smem\.Q\b", code))}
+                # (the template arguments: the rows, and from step41 on the head dim: <BLOCK_M, D>)
+                "TMA_K": len(re.findall(r"(?:load_tile_tma|load_kv_tile)<[\w, ]+>\(smem\.K\b", code)),
+                "TMA_V": len(re.findall(r"(?:load_tile_tma|load_kv_tile)<[\w, ]+>\(smem\.V\b", code)),
+                "TMA_Q": len(re.findall(r"load_tile_tma<[\w, ]+>\(smem\.Q\b", code))}
     problems = [f"{n} TRACE_{name} for {want} in the code" for name, want in expected.items() if (n := points[name]) != want]
     for span in trace.SPANS:
         if points[f"{span}_BEGIN"] != points[f"{span}_END"]:
