@@ -119,16 +119,18 @@ template <typename T>
 constexpr CUtensorMapDataType tma_type =
     std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
 
-// The tensor map of a contiguous fp32 [batch, heads, rows, HEAD_DIM] accumulator (the backward's dQ), in boxes of
+// The tensor map of a contiguous fp32 [batch, heads, rows, head_dim] accumulator (the backward's dQ; head_dim as in
+// encode_tile_map, a multiple of 32), in boxes of
 // [box_rows, 32] with the 128-byte swizzle: 32 floats are one 128-byte row of the swizzle, so a box row is the same
 // 128-byte atom row as a bf16 tile's (common/swizzle.cuh), four boxes across the head dim. TMA dims, innermost first:
 // (dim, row, head, batch). Returns a CUresult (0 = success).
-inline int encode_accum_map(CUtensorMap* map, float* base, int rows, int heads, int batch, int box_rows) {
+inline int encode_accum_map(CUtensorMap* map, float* base, int rows, int heads, int batch, int box_rows,
+                            int head_dim = HEAD_DIM) {
     cudaError_t lookup = cudaSuccess;
     const auto encode = driver_cuTensorMapEncodeTiled(&lookup);
     if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
-    const uint64_t row_bytes = HEAD_DIM * sizeof(float);
-    const cuuint64_t dims[4] = {HEAD_DIM, cuuint64_t(rows), cuuint64_t(heads), cuuint64_t(batch)};
+    const uint64_t row_bytes = uint64_t(head_dim) * sizeof(float);
+    const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads), cuuint64_t(batch)};
     const cuuint64_t strides[3] = {row_bytes, row_bytes * rows, row_bytes * rows * heads};
     const cuuint32_t box[4] = {32, cuuint32_t(box_rows), 1, 1};
     const cuuint32_t elem_strides[4] = {1, 1, 1, 1};

@@ -47,9 +47,8 @@ constexpr int NUM_THREADS = (1 + NUM_CONSUMERS) * WARPGROUP_THREADS;  // warpgro
 constexpr int CONSUMER_THREADS = NUM_CONSUMERS * WARPGROUP_THREADS;  // the two that take turns on the tensor cores
 constexpr int ROWS_PER_WARPGROUP = BLOCK_M / NUM_CONSUMERS;  // 64: wgmma's M
 constexpr int S_BLOCKS = BLOCK_N / 8;                 // S: 16 blocks of 8 keys, 4 registers each per thread
-// The head dim D (of q, k and v): a template parameter of the forward's kernels, built for 64 and 128 (FWD_HEAD_DIMS).
+// The head dim D (of q, k and v): a template parameter of the forward's kernels, built for 64 and 128.
 // A row of D columns sits in shared memory as D / 64 halves of 64 columns (128 bytes: common/swizzle.cuh).
-constexpr int FWD_HEAD_DIMS[] = {64, 128};
 template <int D> constexpr int HALVES = D / TMA_HALF_COLS;  // 64-column halves of a row: 1 or 2
 template <int D> constexpr int O_BLOCKS = D / 8;            // O: D / 8 blocks of 8 dims, 4 registers each per thread
 template <int D> constexpr int QK_STEPS = D / 16;           // k-steps of S = Q K^T over the head dim

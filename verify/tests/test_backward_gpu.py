@@ -13,7 +13,8 @@ non-finite. The cases: ragged lengths (1, 127, 129, 1000), seqlen_q != seqlen_k,
 no key: zero gradients), grouped (32/8) and multi-query heads (dK, dV summed over the query heads that read them),
 large V and peaked logits, strided and fused-QKV views, a gradient into the LSE, two calls bitwise equal. Each way
 of being wrong that the judge must see (CORRUPTIONS) is shown to fail it. A step that takes fp16 (info["dtypes"]:
-step40) is judged in fp16 too, against a plain fp16 implementation (P rounded to fp16) and floors of fp16 roundings.
+step40) is judged in fp16 too, against a plain fp16 implementation (P rounded to fp16) and floors of fp16 roundings; one
+whose backward takes head dim 64 (info["backward_head_dims"]: step42) at 64 too (the bwd_head_dim fixture).
 """
 import math
 
@@ -21,7 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from verify.checks import DEFAULT_SCALE, make_inputs, replay, run_seed  # noqa: E402
+from verify.checks import DEFAULT_SCALE, default_scale, make_inputs, replay, run_seed  # noqa: E402
 from verify.tests.conftest import needs_gpu  # noqa: E402
 
 pytestmark = needs_gpu
@@ -42,6 +43,14 @@ def bwd_mod(mod):
     if not mod.info.get("backward"):
         pytest.skip(f"{mod.__name__} computes no backward")
     return mod
+
+
+@pytest.fixture(params=[128, 64], ids=lambda d: f"d{d}")
+def bwd_head_dim(request, bwd_mod):
+    """The head dim of a backward test: 128, then 64 for the steps whose backward takes it (step42 on)."""
+    if request.param not in bwd_mod.info.get("backward_head_dims", [128]):
+        pytest.skip(f"{bwd_mod.__name__}'s backward takes head dim {bwd_mod.info.get('backward_head_dims', [128])}")
+    return request.param
 
 
 def _mask(nq, nk, causal, device):
@@ -117,7 +126,8 @@ class Case:
     """Inputs, dO (and dLSE), the float64 reference's gradients and the plain implementation's errors, all in the
     inputs' dtype (bf16, or fp16)."""
 
-    def __init__(self, label, q, k, v, causal=False, with_d_lse=False, scale=DEFAULT_SCALE):
+    def __init__(self, label, q, k, v, causal=False, with_d_lse=False, scale=None):
+        scale = default_scale(q.shape[-1]) if scale is None else scale  # 1/sqrt(head dim), as the steps' default
         self.label, self.q, self.k, self.v, self.causal, self.scale = label, q, k, v, causal, scale
         gen = torch.Generator(device="cpu").manual_seed(run_seed() + q.shape[2] * 7919 + k.shape[2])
         self.d_o = torch.randn(q.shape, generator=gen).to(q.device, q.dtype)
@@ -191,18 +201,18 @@ CASES = [
 
 
 @pytest.mark.parametrize("shape", CASES, ids=lambda c: "x".join(map(str, c[:5])) + (f"-{c[5]}" if c[5] else ""))
-def test_backward_against_float64(bwd_mod, shape, dtype):
+def test_backward_against_float64(bwd_mod, shape, dtype, bwd_head_dim):
     batch, heads, heads_k, nq, nk, causal = shape
-    q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k, dtype=dtype)
-    case = Case(f"{shape}", q, k, v, causal)
+    q, k, v = make_inputs(batch, heads, nq, nk, heads_k=heads_k, dtype=dtype, head_dim=bwd_head_dim)
+    case = Case(f"{shape}" + (f", head dim {bwd_head_dim}" if bwd_head_dim != 128 else ""), q, k, v, causal)
     assert_passes(bwd_mod, case, run_backward(bwd_mod, case))
 
 
 @pytest.mark.parametrize("kind", ["large_v", "peaked"])
 @pytest.mark.parametrize("causal", [False, "bottom_right"])
-def test_backward_adversarial(bwd_mod, kind, causal, dtype):
+def test_backward_adversarial(bwd_mod, kind, causal, dtype, bwd_head_dim):
     """V 30x larger (large gradients into P); Q and K scaled so that each row's softmax is nearly one-hot."""
-    q, k, v = make_inputs(1, 2, 256, 320, dtype=dtype)
+    q, k, v = make_inputs(1, 2, 256, 320, dtype=dtype, head_dim=bwd_head_dim)
     if kind == "large_v":
         v = (v.float() * 30).to(dtype)
     else:
@@ -211,18 +221,18 @@ def test_backward_adversarial(bwd_mod, kind, causal, dtype):
     assert_passes(bwd_mod, case, run_backward(bwd_mod, case))
 
 
-def test_backward_with_a_gradient_into_the_lse(bwd_mod, dtype):
+def test_backward_with_a_gradient_into_the_lse(bwd_mod, dtype, bwd_head_dim):
     """A loss that reads the LSE too (dLSE != 0): dS gains P dLSE."""
-    q, k, v = make_inputs(1, 2, 200, 250, dtype=dtype)
+    q, k, v = make_inputs(1, 2, 200, 250, dtype=dtype, head_dim=bwd_head_dim)
     case = Case("d_lse", q, k, v, "bottom_right", with_d_lse=True)
     assert_passes(bwd_mod, case, run_backward(bwd_mod, case))
 
 
-def test_autograd_through_attention(bwd_mod, dtype):
+def test_autograd_through_attention(bwd_mod, dtype, bwd_head_dim):
     """attention() is differentiable: torch.autograd.grad of a loss on (o, lse) gives the reference's gradients,
     for strided q, k, v (a [batch, seqlen, heads, 128] tensor transposed, as models pass it) and a fused QKV view."""
     b, n, h = 2, 192, 4
-    qkv = make_inputs(b, 3 * h, n, n, dtype=dtype)[0].transpose(1, 2).contiguous()  # [b, n, 3h, 128]
+    qkv = make_inputs(b, 3 * h, n, n, dtype=dtype, head_dim=bwd_head_dim)[0].transpose(1, 2).contiguous()  # [b, n, 3h, d]
     q, k, v = qkv.transpose(1, 2).split(h, dim=1)                      # views of one buffer, strided
     case = Case("fused qkv", q, k, v, "top_left", with_d_lse=True)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -235,13 +245,13 @@ def test_autograd_through_attention(bwd_mod, dtype):
 @pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
 @pytest.mark.parametrize("shape", [(1, 8, 300, 300, 2), (2, 4, 1000, 1100, 2), (1, 4, 1100, 1000, 2)],
                          ids=["300", "1000x1100", "1100x1000"])
-def test_the_backward_is_deterministic(bwd_mod, causal, shape, dtype):
+def test_the_backward_is_deterministic(bwd_mod, causal, shape, dtype, bwd_head_dim):
     """deterministic=True: two calls give the same bits, and pass the judge (a step whose fast way adds dQ up in any
     order takes another way for it: info["backward_deterministic"] == "on request"). At 1000 x 1100 nine key tiles
     add to each query tile's dQ: there the fast way's bits vary from call to call. Both causal corners with more keys
     than queries and fewer: the key tiles that add to a query tile, whose turns step39 counts from the last, differ."""
     batch, heads, seqlen_q, seqlen_k, heads_k = shape
-    q, k, v = make_inputs(batch, heads, seqlen_q, seqlen_k, heads_k=heads_k, dtype=dtype)
+    q, k, v = make_inputs(batch, heads, seqlen_q, seqlen_k, heads_k=heads_k, dtype=dtype, head_dim=bwd_head_dim)
     case = Case("determinism", q, k, v, causal)
     first, second = run_backward(bwd_mod, case, True), run_backward(bwd_mod, case, True)
     for name, a, b in zip(GRADS, first, second):

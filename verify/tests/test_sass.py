@@ -236,7 +236,9 @@ CLAIMS = [
           present={"HGMMA.64x80x16 (S^T, dP^T and dQ^T over a tile of 80 queries)": r"HGMMA\.64x80x16\.",
                    "STSM.16.MT88.4 (stmatrix .trans: dS stored [queries, keys] from dS^T's fragments)":
                    r"STSM\.16\.MT88\.4\b"},
-          absent={"HGMMA.64x64x16 (a product over 64 queries)": r"HGMMA\.64x64x16\."}),
+          # (over 64 queries S^T, dP^T and dQ^T read both operands by descriptor; from step42 on, at head dim 64, dV
+          # and dK are 64x64x16 with their A from registers, N the 64 dims)
+          absent={"HGMMA.64x64x16 from shared memory (a product over 64 queries)": r"HGMMA\.64x64x16\.\S+\s+R\d+,\s*gdesc"}),
     Claim("dq_reduced_by_tma", 33, None, part="backward",
           present={"UTMAREDG (cp.reduce.async.bulk.tensor .add: a staged tile of dQ added to the accumulator by TMA)":
                    r"UTMAREDG\b"},
@@ -603,6 +605,21 @@ def kernel_opcodes(cuobjdump, steps: tuple) -> dict[str, dict[str, collections.C
                 for name, code in functions_of(sass_of(cuobjdump, kernel_so(s), "sm_90a")).items()} for s in steps}
 
 
+def kernel_code(cuobjdump, steps: tuple) -> dict[str, dict[str, list[str]]]:
+    """{step: {mangled kernel name: its sm_90a instructions in order, operands included}}: for the claim that a kernel
+    is another step's as it was, where counting opcodes would miss two instructions swapped."""
+    if not set(steps) <= set(steps_mod.all_steps()):
+        pytest.skip(f"one of {', '.join(steps)} is not in this tree")
+    steps_mod.build(list(steps), log=lambda *_: None)
+    return {s: {name: [i.text for i in code] for name, code in functions_of(sass_of(cuobjdump, kernel_so(s), "sm_90a")).items()}
+            for s in steps}
+
+
+def first_difference(a: list[str], b: list[str]) -> str:
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{len(a)} and {len(b)} instructions, first apart at {at}: {a[at:at + 1]} / {b[at:at + 1]}"
+
+
 def apart(a: collections.Counter, b: collections.Counter) -> collections.Counter:
     return (a - b) + (b - a)
 
@@ -905,12 +922,13 @@ def test_the_head_dim_is_a_template_parameter_step41(cuobjdump):
     exponentials and, of its HGMMAs, S = Q K^T over 4 k-steps of 16 where 128 has 8 (at 128 the products' halves are S and
     P V, 8 each per block: S's at 64 are a quarter of 128's total), P V at N = 64 (half of 128's total, as many as there),
     and one TMA copy per tile where 128 has two (the halves of a row)."""
-    ops = kernel_opcodes(cuobjdump, ("step40", "step41"))
-    step40 = {comparable(name): c for name, c in ops["step40"].items()}
-    at128 = {comparable(name.replace("Li128E", "")): c for name, c in ops["step41"].items() if "Li64E" not in name}
+    code = kernel_code(cuobjdump, ("step40", "step41"))
+    step40 = {comparable(name): c for name, c in code["step40"].items()}
+    at128 = {comparable(name.replace("Li128E", "")): c for name, c in code["step41"].items() if "Li64E" not in name}
     assert sorted(at128) == sorted(step40), (sorted(at128), sorted(step40))
-    for name, old in step40.items():
-        assert not apart(old, at128[name]), f"step41's {name} at head dim 128: {apart(old, at128[name])}"
+    for name, old in step40.items():  # instruction for instruction, in order
+        assert old == at128[name], f"step41's {name} at head dim 128: {first_difference(old, at128[name])}"
+    ops = kernel_opcodes(cuobjdump, ("step41",))
     at64 = {name: c for name, c in ops["step41"].items() if "Li64E" in name}
     assert len(at64) == 6 and all("Li64ELb0E" in name for name in at64), sorted(at64)  # bf16, fp16 x dense, split, causal
 
@@ -924,3 +942,34 @@ def test_the_head_dim_is_a_template_parameter_step41(cuobjdump):
         assert count(c, "HGMMA") == count(c, "HGMMA.64x128x16") + count(c, "HGMMA.64x64x16"), name
         assert c["MUFU.EX2"] == twin["MUFU.EX2"] > 0, name
         assert 2 * count(c, "UTMALDG") == count(twin, "UTMALDG") > 0 and 2 * count(c, "UTMASTG") == count(twin, "UTMASTG") > 0, name
+
+
+def test_the_backward_takes_the_head_dim_step42(cuobjdump):
+    """step42's header: the backward's kernels take the head dim (64 or 128) as the forward's do; at 128 every kernel is
+    step41's, opcode for opcode (the forward's unchanged); at 64 each dK/dV kernel holds its twin's exponentials, half
+    its m64n80 HGMMAs (S^T, dP^T and each warpgroup's dQ^T over half the k-steps) and as many RS ones at N = 64 as its
+    twin has at 128 (dV and dK over the tile's 80 queries), half its TMA loads (one 64-column half a tile) and as many
+    TMA reductions of dQ (four boxes: two partials of 64 dims at 64)."""
+    code = kernel_code(cuobjdump, ("step41", "step42"))
+    step41 = {comparable(name): c for name, c in code["step41"].items()}
+    at128 = {comparable(name if "attention_fwd" in name else name.replace("Li128EL", "L").replace("Li128EE", "E")): c
+             for name, c in code["step42"].items() if "Li64E" not in name or "attention_fwd" in name}
+    assert sorted(at128) == sorted(step41), (sorted(at128), sorted(step41))
+    for name, old in step41.items():  # instruction for instruction, in order
+        assert old == at128[name], f"step42's {name}: {first_difference(old, at128[name])}"
+    ops = kernel_opcodes(cuobjdump, ("step42",))
+    at64 = {name: c for name, c in ops["step42"].items() if "Li64E" in name and "attention_fwd" not in name}
+    assert len(at64) == 2 * 5, sorted(at64)  # bf16, fp16 x delta, convert, dK/dV (dense, deterministic, from the last)
+
+    def count(c, prefix):
+        return sum(n for op, n in c.items() if op.startswith(prefix))
+    for name, c in at64.items():
+        twin = ops["step42"][name.replace("Li64E", "Li128E")]
+        if "bwd_dkdv_kernel" not in name:
+            continue
+        assert count(twin, "HGMMA.64x80x16") > 0 and count(twin, "HGMMA.64x128x16") > 0, name
+        assert 2 * count(c, "HGMMA.64x80x16") == count(twin, "HGMMA.64x80x16"), (name, c)
+        assert count(c, "HGMMA.64x64x16") == count(twin, "HGMMA.64x128x16") and count(c, "HGMMA.64x128x16") == 0, (name, c)
+        assert c["MUFU.EX2"] == twin["MUFU.EX2"] > 0, name
+        assert 2 * count(c, "UTMALDG") == count(twin, "UTMALDG") > 0, name
+        assert count(c, "UTMAREDG") == count(twin, "UTMAREDG") > 0, name
