@@ -17,7 +17,7 @@ import nox
 
 nox.options.sessions = ["tests"]
 REQUIREMENTS = ("-r", "requirements-verify.txt")
-CAPSTONE_REQUIREMENTS = ("-r", "requirements-capstone.txt")  # optional: verify.capstone, verify.prefill and their CPU tests
+CAPSTONE_REQUIREMENTS = ("-r", "requirements-capstone.txt")  # optional: verify.capstone, verify.cogvideox, verify.prefill and their CPU tests
 TORCH_CI = "torch==2.13.0"  # CI's pin: its machine has this (CPU) wheel on disk
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's index of CPU builds (and of torch's dependencies)
 TORCH_INDEX_ENV = "FLASHLADDER_TORCH_INDEX"  # the index torch comes from instead, e.g. https://pypi.org/simple
@@ -119,6 +119,13 @@ def capstone(session):
     """The final step inside a video diffusion model (python -m verify.capstone), in the Python with the CUDA torch; it
     needs requirements-capstone.txt there (and says so in one line where it is missing)."""
     run_in_cuda_torch_python(session, "verify.capstone")
+
+
+@nox.session(venv_backend="none")
+def cogvideox(session):
+    """The final step inside CogVideoX-2B's denoiser, head dim 64 (python -m verify.cogvideox), in the Python with the
+    CUDA torch; it needs requirements-capstone.txt there (and says so in one line where it is missing)."""
+    run_in_cuda_torch_python(session, "verify.cogvideox")
 
 
 @nox.session(venv_backend="none")

@@ -91,24 +91,27 @@ def compiled(model, mode: str, scope: str, backend: str, fullgraph: bool):
         if scope == "model":
             yield torch.compile(model, **options)
             return
-        blocks = model.blocks
-        model.blocks = torch.nn.ModuleList([torch.compile(block, **options) for block in blocks])
+        name = "blocks" if hasattr(model, "blocks") else "transformer_blocks"  # Wan's, CogVideoX's
+        blocks = getattr(model, name)
+        setattr(model, name, torch.nn.ModuleList([torch.compile(block, **options) for block in blocks]))
         try:
             yield model
         finally:
-            model.blocks = blocks
+            setattr(model, name, blocks)
 
 
 def benchmark(model, config: dict, shapes: list, modes: list, rows: list[models.Backend], *, warmup: int, iters: int, device,
-              compile_backend: str = "inductor", compile_scope: str = "model", fullgraph: bool = True, log=print) -> dict:
+              compile_backend: str = "inductor", compile_scope: str = "model", fullgraph: bool = True, log=print,
+              inputs: dict | None = None) -> dict:
     """Time one forward of `model` per shape, mode and backend. Returns {"runs": {mode: {tokens: {backend: cell}}}}.
+    `inputs`: {tokens: the forward's arguments} of another model than Wan's (verify/cogvideox.py); `shapes` then unused.
 
     A cell: "ms" (median), "times_ms", "first_s" (the first call, the compile included), the router's counts of one
     forward ("routed", "fallbacks": in eager one forward's calls, under compile the calls it traced), "rel_err" and
     "cosine" against SDPA's default, and "status": "ok", "not installed", or "failed: <why>".
     """
     import torch
-    inputs = {tokens_of(g): make_inputs(config, g, device) for g in shapes}
+    inputs = inputs if inputs is not None else {tokens_of(g): make_inputs(config, g, device) for g in shapes}
     todo = [(m, r) for m in modes for r in rows]
     runs: dict = {m: {str(t): {} for t in inputs} for m in modes}
     outputs: dict = {}
@@ -380,7 +383,7 @@ def chart(run: dict, path: Path) -> None:
                         rotation=0 if sp else 90)
         ax.set_xticks(range(len(labels)), list(labels.values()), rotation=20, ha="right")
         ax.set_ylabel("ms per denoiser forward (lower is better)")
-        ax.set_title(f"{mode}: Wan2.1-T2V-1.3B denoiser, bf16")
+        ax.set_title(f"{mode}: {run['model'].get('title', 'Wan2.1-T2V-1.3B denoiser, bf16')}")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, title="tokens (latent grid)", title_fontsize=8)
     fig.suptitle(f"flashladder capstone on {run['meta']['gpu']} (× = speedup against SDPA default, same mode)", fontsize=10)

@@ -148,8 +148,9 @@ def backends(step_mod, fa3=None) -> list[Backend]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     step = step_mod.info["step"]
     fa3_fn, fa3_where = fa3 if fa3 is not None else fa3_attention()
-    # FA3 through the drop-in's router class: the same decision and counting as the step's, with FA3's limits (sm_90 only).
-    fa3_limits = binding.SdpaLimits("fa3", archs=("sm_90a",))
+    # FA3 through the drop-in's router class: the same decision and counting as the step's, with FA3's limits (sm_90
+    # only; bf16 and fp16, every head dim the binding names: FA3 takes them all).
+    fa3_limits = binding.SdpaLimits("fa3", archs=("sm_90a",), features=binding.FEATURE_FP16, head_dims=binding.HEAD_DIMS)
     return [
         Backend("sdpa_default", "SDPA default", contextlib.nullcontext),
         Backend("sdpa_cudnn", "SDPA cuDNN", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
