@@ -13,13 +13,16 @@ from verify import steps as steps_mod
 
 BACKWARD_FLOPS = 2.5  # the backward's FLOPs over the forward's: five GEMMs of Q K^T's size to the forward's two
 SEQLENS = [4096, 8192, 16384]  # the backward table's N (those of a run's seqlens)
-# The passes over the N: (row suffix, causal, query heads, key/value heads, dtype); "_gqa": causal with Llama-3-8B's
-# grouped heads, as the forward's GQA rows (bench.CAUSAL_TABLES); "_fp16" and "_fp16_causal": the first two in fp16, for
-# the steps that take it (info["dtypes"]) and the peers, as the forward's breadth tables (bench.BREADTH_TABLES).
-PASSES = [("", False, *bench.CAUSAL_TABLES["causal"], "bfloat16"), ("_causal", True, *bench.CAUSAL_TABLES["causal"], "bfloat16"),
-          ("_gqa", True, *bench.CAUSAL_TABLES["gqa"], "bfloat16"),
-          ("_fp16", False, *bench.CAUSAL_TABLES["causal"], "float16"),
-          ("_fp16_causal", True, *bench.CAUSAL_TABLES["causal"], "float16")]
+# The passes over the N: (row suffix, causal, query heads, key/value heads, dtype, head dim); "_gqa": causal with
+# Llama-3-8B's grouped heads, as the forward's GQA rows (bench.CAUSAL_TABLES); "_fp16" and "_fp16_causal": the first two
+# in fp16, for the steps that take it (info["dtypes"]) and the peers, as the forward's breadth tables
+# (bench.BREADTH_TABLES); "_hdim64" and "_hdim64_causal": the first two at head dim 64, for the steps whose backward
+# takes it (info["backward_head_dims"]).
+HEADS = bench.CAUSAL_TABLES["causal"]
+PASSES = [("", False, *HEADS, "bfloat16", 128), ("_causal", True, *HEADS, "bfloat16", 128),
+          ("_gqa", True, *bench.CAUSAL_TABLES["gqa"], "bfloat16", 128),
+          ("_fp16", False, *HEADS, "float16", 128), ("_fp16_causal", True, *HEADS, "float16", 128),
+          ("_hdim64", False, *HEADS, "bfloat16", 64), ("_hdim64_causal", True, *HEADS, "bfloat16", 64)]
 
 
 def steps_with_backward() -> list[str]:
@@ -86,7 +89,7 @@ def backward_seqlens(seqlens: list[int]) -> list[int]:
 
 def run(steps: dict, seqlens: list[int], timing: bench.Timing | None = None, log=print, causal: bool = True) -> dict:
     """Time the backward of `steps` ({step: module}, each with info["backward"]) and SDPA's at each N, dense (and causal,
-    causal with Llama-3-8B's grouped heads, and fp16 where a step takes it: PASSES):
+    causal with Llama-3-8B's grouped heads, and fp16 and head dim 64 where a step takes them: PASSES):
     {"step": the last of them, "seqlens", "flops", "method", "timings": {name: {N: cell}}, "unavailable": {name: {N: why}}}
     (what a results file keeps under "backward"; verify/report.py draws its table)."""
     import torch
@@ -100,16 +103,17 @@ def run(steps: dict, seqlens: list[int], timing: bench.Timing | None = None, log
     with bench.ClockSampler() as sampler:
         if sampler.source:
             timing = bench.fit_to_clock(timing, sampler.interval_s)
-        for suffix, masked, heads, heads_kv, dtype in (PASSES if causal else [p for p in PASSES if not p[1]]):
-            takes = {s: m for s, m in steps.items() if dtype in m.info.get("dtypes", ["bfloat16"])}
-            if not takes:  # no step of the run takes the dtype: nothing to time it beside
+        for suffix, masked, heads, heads_kv, dtype, d in (PASSES if causal else [p for p in PASSES if not p[1]]):
+            takes = {s: m for s, m in steps.items() if dtype in m.info.get("dtypes", ["bfloat16"])
+                     and d in m.info.get("backward_head_dims", [128])}
+            if not takes:  # no step of the run takes the dtype and head dim: nothing to time them beside
                 continue
             for n in seqlens:
                 batch = bench.shape_of(n)[0]
                 gen = torch.Generator(device="cuda").manual_seed(n)
-                q, k, v = (torch.randn(batch, h, n, 128, device="cuda", generator=gen).add_(0.5).to(getattr(torch, dtype))
+                q, k, v = (torch.randn(batch, h, n, d, device="cuda", generator=gen).add_(0.5).to(getattr(torch, dtype))
                            for h in (heads, heads_kv, heads_kv))
-                work = BACKWARD_FLOPS * (bench.causal_flops if masked else bench.flops)(batch, heads, n)
+                work = BACKWARD_FLOPS * (bench.causal_flops if masked else bench.flops)(batch, heads, n, d)
                 for name, forward in implementations(takes, masked, fa4, suffix).items():
                     fn = backward_fn(forward, q, k, v)
                     if why := bench.refusal(fn):

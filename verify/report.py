@@ -449,7 +449,8 @@ def backward_rows(run: dict) -> list[dict]:
         return []
     t, out = b["timings"], []
     for suffix, word in (("", ""), ("_causal", " causal"), ("_gqa", " GQA, 32/8 heads"), ("_fp16", " fp16"),
-                         ("_fp16_causal", " fp16 causal")):
+                         ("_fp16_causal", " fp16 causal"), ("_hdim64", " head dim 64"),
+                         ("_hdim64_causal", " head dim 64 causal")):
         cudnn, fa4 = t.get(f"sdpa_cudnn_bwd{suffix}", {}), t.get(f"fa4_bwd{suffix}", {})
         for impl, cells in t.items():
             if not impl.endswith(f"_bwd{suffix}"):
@@ -474,7 +475,9 @@ def backward_note(run: dict) -> str:
             + ("; GQA: causal, Llama-3-8B's 32 query heads over 8 key/value heads (SDPA with enable_gqa=True)"
                if any(k.endswith("_gqa") for k in b["timings"]) else "")
             + ("; fp16: the same dense and causal calls in fp16 (steps that take it), each against its peers in fp16"
-               if any(k.endswith("_fp16") for k in b["timings"]) else "") + ". "
+               if any(k.endswith("_fp16") for k in b["timings"]) else "")
+            + ("; head dim 64: the same dense and causal calls at d = 64 (steps whose backward takes it), against their "
+               "peers at 64" if any(k.endswith("_hdim64") for k in b["timings"]) else "") + ". "
             "× cuDNN: over SDPA cuDNN's backward in the same shape and mask"
             + ("; × FA4: over FlashAttention-4's (`flash-attn-4`, its sm90 backward) in the same shape and mask"
                if any(k.startswith("fa4_bwd") for k in b["timings"]) else "") + ". Source: "

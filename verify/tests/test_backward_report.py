@@ -100,8 +100,8 @@ def test_flashattention_4_is_optional_and_called_in_its_own_layout(monkeypatch):
 def test_the_grouped_heads_pass_is_named_and_labelled_as_the_forwards():
     """The third pass: causal with Llama-3-8B's 32 query heads over 8 key/value heads, rows ending in _gqa, SDPA given
     enable_gqa=True; the table labels them and its note says what they are."""
-    suffix, causal, heads, heads_kv, dtype = backward_timing.PASSES[2]
-    assert (suffix, causal, heads, heads_kv, dtype) == ("_gqa", True, 32, 8, "bfloat16")
+    suffix, causal, heads, heads_kv, dtype, d = backward_timing.PASSES[2]
+    assert (suffix, causal, heads, heads_kv, dtype, d) == ("_gqa", True, 32, 8, "bfloat16", 128)
     assert set(backward_timing.implementations({}, True, None, "_gqa")) == {"sdpa_cudnn_bwd_gqa", "sdpa_flash_bwd_gqa"}
     cell = lambda tf: {"4096": {"tflops": tf}}  # noqa: E731
     run = {"backward": {"step": "step26", "seqlens": [4096], "timings": {
@@ -115,8 +115,8 @@ def test_the_grouped_heads_pass_is_named_and_labelled_as_the_forwards():
 def test_the_fp16_passes_are_named_and_labelled_as_the_forwards():
     """The fourth and fifth passes: the dense and causal calls in fp16, rows ending in _fp16 and _fp16_causal (as the
     forward's breadth tables name theirs), for the steps that take fp16 alone; the table labels them, the note says so."""
-    assert [p[0] for p in backward_timing.PASSES[3:]] == ["_fp16", "_fp16_causal"]
-    assert [(p[1], p[4]) for p in backward_timing.PASSES[3:]] == [(False, "float16"), (True, "float16")]
+    assert [p[0] for p in backward_timing.PASSES[3:5]] == ["_fp16", "_fp16_causal"]
+    assert [(p[1], p[4], p[5]) for p in backward_timing.PASSES[3:5]] == [(False, "float16", 128), (True, "float16", 128)]
     cell = lambda tf: {"4096": {"tflops": tf}}  # noqa: E731
     run = {"backward": {"step": "step40", "seqlens": [4096], "timings": {
         "step40_bwd": cell(500.0), "step40_bwd_fp16": cell(490.0), "sdpa_cudnn_bwd_fp16": cell(245.0),
@@ -127,3 +127,20 @@ def test_the_fp16_passes_are_named_and_labelled_as_the_forwards():
     assert rows["step40_bwd_fp16_causal"]["vs_cudnn"] == {4096: 1.5}
     assert rows["step40_bwd"]["vs_cudnn"] == {4096: None}  # no bf16 cuDNN row in this run: not the fp16 one
     assert "in fp16" in report.backward_note(run)
+
+
+def test_the_head_dim_64_passes_are_named_and_labelled_as_the_forwards():
+    """The sixth and seventh passes: the dense and causal calls at head dim 64 in bf16, rows ending in _hdim64 and
+    _hdim64_causal (as the forward's breadth tables name theirs), for the steps whose backward takes 64 alone
+    (info["backward_head_dims"]: step42 on); the table labels them, the note says so."""
+    assert [(p[0], p[1], p[4], p[5]) for p in backward_timing.PASSES[5:]] == [
+        ("_hdim64", False, "bfloat16", 64), ("_hdim64_causal", True, "bfloat16", 64)]
+    cell = lambda tf: {"4096": {"tflops": tf}}  # noqa: E731
+    run = {"backward": {"step": "step42", "seqlens": [4096], "timings": {
+        "step42_bwd": cell(500.0), "step42_bwd_hdim64": cell(400.0), "sdpa_cudnn_bwd_hdim64": cell(200.0),
+        "step42_bwd_hdim64_causal": cell(300.0), "sdpa_cudnn_bwd_hdim64_causal": cell(200.0)}}}
+    rows = {r["impl"]: r for r in report.backward_rows(run)}
+    assert rows["step42_bwd_hdim64"]["label"] == "step42 head dim 64" and rows["step42_bwd_hdim64"]["vs_cudnn"] == {4096: 2.0}
+    assert rows["step42_bwd_hdim64_causal"]["label"] == "step42 head dim 64 causal"
+    assert rows["step42_bwd_hdim64_causal"]["vs_cudnn"] == {4096: 1.5}
+    assert "at d = 64" in report.backward_note(run)
