@@ -17,7 +17,7 @@ import nox
 
 nox.options.sessions = ["tests"]
 REQUIREMENTS = ("-r", "requirements-verify.txt")
-CAPSTONE_REQUIREMENTS = ("-r", "requirements-capstone.txt")  # optional: verify.capstone, verify.cogvideox, verify.prefill and their CPU tests
+CAPSTONE_REQUIREMENTS = ("-r", "requirements-capstone.txt")  # optional: the model entry points (verify.capstone, ...), their tests
 TORCH_CI = "torch==2.13.0"  # CI's pin: its machine has this (CPU) wheel on disk
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's index of CPU builds (and of torch's dependencies)
 TORCH_INDEX_ENV = "FLASHLADDER_TORCH_INDEX"  # the index torch comes from instead, e.g. https://pypi.org/simple

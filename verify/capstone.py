@@ -22,7 +22,6 @@ requirements-capstone.txt. What a run lacks it says first, in one line.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import shutil
@@ -41,23 +40,27 @@ from verify.models import (
     TEXT_TOKENS,
     TIMESTEP,
     WAN_T2V_1_3B,
-    agreement,
+    agreement_table,
     arg_type,
     attention_calls,
     backends,
+    benchmark,
     build_transformer,
+    chart,
+    console_summary,
+    counts_note,
     gpu_meta,
     load_step,
-    make_inputs,
     need,
     newest_run,
     parse_grid,
-    run_row,
-    short_status,
+    speedups,
+    times_table,
     tokens_of,
     versions,
     write_readme_section,
 )
+from verify.models import write_results_and_chart as write_results  # the capstone's results file comes with its chart
 
 ROOT = steps_mod.ROOT
 PROG = "python -m verify.capstone"
@@ -73,68 +76,6 @@ CAPSTONE_GLOB = "results/*/capstone-*.json"
 
 
 # ---------------------------------------------------------------- the benchmark
-
-@contextlib.contextmanager
-def compiled(model, mode: str, scope: str, backend: str, fullgraph: bool):
-    """What a row runs: the model itself in eager; under compile, a fresh torch.compile of the whole model (scope
-    "model"), or of each transformer block (scope "blocks": diffusers' regional compilation, the blocks sharing one
-    compiled graph; the rest of the model runs eagerly), put back as they were afterwards."""
-    import torch
-    if mode == "eager":
-        yield model
-        return
-    options = dict(backend=backend, fullgraph=fullgraph, dynamic=False)
-    # Inductor's caches key a graph by its code, not by the SDPA backend that sdpa_kernel() forces while it is traced:
-    # with them on, a row compiled after SDPA's default got the default's compiled graph back (the run of 2026-12-01:
-    # SDPA FLASH's first call 1.2 s, its output the default's bit for bit). Off, each row is compiled for itself.
-    with torch._inductor.config.patch(force_disable_caches=True):
-        if scope == "model":
-            yield torch.compile(model, **options)
-            return
-        name = "blocks" if hasattr(model, "blocks") else "transformer_blocks"  # Wan's, CogVideoX's
-        blocks = getattr(model, name)
-        setattr(model, name, torch.nn.ModuleList([torch.compile(block, **options) for block in blocks]))
-        try:
-            yield model
-        finally:
-            setattr(model, name, blocks)
-
-
-def benchmark(model, config: dict, shapes: list, modes: list, rows: list[models.Backend], *, warmup: int, iters: int, device,
-              compile_backend: str = "inductor", compile_scope: str = "model", fullgraph: bool = True, log=print,
-              inputs: dict | None = None) -> dict:
-    """Time one forward of `model` per shape, mode and backend. Returns {"runs": {mode: {tokens: {backend: cell}}}}.
-    `inputs`: {tokens: the forward's arguments} of another model than Wan's (verify/cogvideox.py); `shapes` then unused.
-
-    A cell: "ms" (median), "times_ms", "first_s" (the first call, the compile included), the router's counts of one
-    forward ("routed", "fallbacks": in eager one forward's calls, under compile the calls it traced), "rel_err" and
-    "cosine" against SDPA's default, and "status": "ok", "not installed", or "failed: <why>".
-    """
-    import torch
-    inputs = inputs if inputs is not None else {tokens_of(g): make_inputs(config, g, device) for g in shapes}
-    todo = [(m, r) for m in modes for r in rows]
-    runs: dict = {m: {str(t): {} for t in inputs} for m in modes}
-    outputs: dict = {}
-    for i, (mode, row) in enumerate(todo, 1):
-        if row.context is None:
-            for t in inputs:
-                runs[mode][str(t)][row.name] = {"status": row.unavailable}
-            log(f"[{i}/{len(todo)}] {mode} {row.label}: {row.unavailable}")
-            continue
-        torch._dynamo.reset()  # a fresh compile for each backend: what was traced for another one is not reused
-        with compiled(model, mode, compile_scope, compile_backend, fullgraph) as fn:
-            for tokens, args in inputs.items():
-                runs[mode][str(tokens)][row.name] = run_row(fn, args, row, mode, warmup, iters, device, outputs, tokens,
-                                                            f"[{i}/{len(todo)}] {mode} {row.label} at {tokens} tokens", log)
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
-    for (mode, tokens, name), out in outputs.items():  # every output against SDPA's default of its mode and shape
-        ref = outputs.get((mode, tokens, "sdpa_default"))
-        if ref is not None:
-            runs[mode][str(tokens)][name].update(agreement(out, ref))
-    torch._dynamo.reset()
-    return {"runs": runs}
-
 
 def record(result: dict, *, meta: dict, path: Path, step: str, config: dict, shapes: list, modes: list, rows: list,
            timing: dict, sdpa_default: str | None, seconds: float) -> dict:
@@ -199,16 +140,6 @@ def withdraw(run: dict, cells: list[str], why: str) -> dict:
     return out
 
 
-def speedups(runs: dict) -> dict:
-    """{mode: {tokens: {backend: SDPA default's ms / its ms}}}, for the cells that ran."""
-    out: dict = {}
-    for mode, by_tokens in runs.items():
-        for tokens, cells in by_tokens.items():
-            base = cells.get("sdpa_default", {}).get("ms")
-            out.setdefault(mode, {})[tokens] = {name: base / c["ms"] for name, c in cells.items() if c.get("ms") and base}
-    return out
-
-
 # ---------------------------------------------------------------- the results file, the chart, the docs/capstone.md section
 
 def results_path(meta_gpu: str, root: Path = ROOT, stamp: str | None = None) -> Path:
@@ -225,83 +156,6 @@ def sdpa_default_backend(device) -> str | None:
         return SDPBackend(torch._fused_sdp_choice(q, q, q)).name
     except Exception:  # noqa: BLE001  (a private function: any failure means it cannot say)
         return None
-
-
-def write_results(run: dict, json_path: Path, out: Path | None = None, log=print) -> Path:
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(run, indent=1, default=str))
-    chart(run, json_path.with_suffix(".png"))
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-        for p in (json_path, json_path.with_suffix(".png")):
-            shutil.copyfile(p, out / p.name)
-    log(f"wrote {json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path} and its .png"
-        + (f" (copies in {out})" if out else ""))
-    return json_path
-
-
-def _ms(x) -> str:
-    return f"{x:.0f} ms" if x >= 100 else f"{x:.1f} ms"
-
-
-def grid_label(run: dict, tokens: str) -> str:
-    grid = run["shapes"].get(tokens)
-    return f"{tokens} ({'×'.join(map(str, grid))})" if grid else tokens
-
-
-def backend_labels(run: dict) -> dict:
-    return {name: label for name, label in run["backends"]}
-
-
-def times_table(run: dict, mode: str) -> str:
-    """| tokens (latent grid) | each backend: ms (× SDPA default) |, one row per shape."""
-    labels = backend_labels(run)
-    lines = [f"| {mode}: tokens (latent grid) | " + " | ".join(labels.values()) + " |",
-             "|---|" + "---:|" * len(labels)]
-    for tokens, cells in run["runs"][mode].items():
-        parts = []
-        for name in labels:
-            c = cells.get(name, {})
-            sp = run["speedup_vs_sdpa_default"].get(mode, {}).get(tokens, {}).get(name)
-            parts.append(f"{_ms(c['ms'])} ({sp:.3f}×)" if c.get("ms") and sp else short_status(c))
-        lines.append(f"| {grid_label(run, tokens)} | " + " | ".join(parts) + " |")
-    return "\n".join(lines)
-
-
-def agreement_table(run: dict) -> str:
-    """Every output against SDPA's default: relative error, cosine, and the error as a multiple of SDPA FLASH's own."""
-    labels = {k: v for k, v in backend_labels(run).items() if k != "sdpa_default"}
-    lines = ["| agreement with SDPA default: mode, tokens | " + " | ".join(labels.values()) + " |",
-             "|---|" + "---:|" * len(labels)]
-    for mode in run["modes"]:
-        for tokens, cells in run["runs"][mode].items():
-            flash = cells.get("sdpa_flash", {}).get("rel_err")
-            parts = []
-            for name in labels:
-                c = cells.get(name, {})
-                if "rel_err" not in c:
-                    parts.append("-")
-                    continue
-                vs = f", {c['rel_err'] / flash:.2f}× FLASH's" if flash and name != "sdpa_flash" else ""
-                parts.append(f"{c['rel_err']:.2e} / {c['cosine']:.6f}{vs}")
-            lines.append(f"| {mode}, {tokens} | " + " | ".join(parts) + " |")
-    return "\n".join(lines)
-
-
-def counts_note(run: dict) -> str:
-    """What the drop-in routers decided in one eager forward, per backend that has one (under compile they decide while
-    tracing: the counts of the traced calls are in the results file)."""
-    parts = []
-    for name, label in run["backends"]:
-        seen = [(m, t, c) for m in run["modes"] if m == "eager"
-                for t, cells in run["runs"][m].items() if "routed" in (c := cells.get(name, {}))]
-        if not seen:
-            continue
-        routed = sorted({c["routed"] for _, _, c in seen})
-        fell = sorted({sum(c["fallbacks"].values()) for _, _, c in seen})
-        parts.append(f"{label}: {'/'.join(map(str, routed))} of {run['attention_calls']} attention calls routed per eager forward"
-                     + (f", {'/'.join(map(str, fell))} fell back" if fell != [0] else ""))
-    return "; ".join(parts)
 
 
 def markdown(run: dict) -> str:
@@ -359,41 +213,6 @@ def readme_section(run: dict | None) -> str:
 
 def update_readme(readme: Path, run: dict | None) -> bool:
     return write_readme_section(readme, README_BEGIN, README_END, readme_section(run))
-
-
-def chart(run: dict, path: Path) -> None:
-    """One panel per mode: each backend's end-to-end ms per shape, its speedup against SDPA's default written on it."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    labels = backend_labels(run)
-    modes = run["modes"]
-    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.6), dpi=120, squeeze=False)
-    for ax, mode in zip(axes[0], modes):
-        by_tokens = run["runs"][mode]
-        width = 0.8 / max(1, len(by_tokens))
-        for j, (tokens, cells) in enumerate(by_tokens.items()):
-            xs = [i + (j - (len(by_tokens) - 1) / 2) * width for i in range(len(labels))]
-            ms = [cells.get(name, {}).get("ms") or 0 for name in labels]
-            bars = ax.bar(xs, ms, width, label=grid_label(run, tokens), color=plt.get_cmap("viridis")(j / max(1, len(by_tokens) - 1)))
-            for bar, name in zip(bars, labels):
-                sp = run["speedup_vs_sdpa_default"].get(mode, {}).get(tokens, {}).get(name)
-                text = f"{sp:.2f}×" if sp else short_status(cells.get(name, {}))
-                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom", fontsize=7,
-                        rotation=0 if sp else 90)
-        ax.set_xticks(range(len(labels)), list(labels.values()), rotation=20, ha="right")
-        ax.set_ylabel("ms per denoiser forward (lower is better)")
-        ax.set_title(f"{mode}: {run['model'].get('title', 'Wan2.1-T2V-1.3B denoiser, bf16')}")
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8, title="tokens (latent grid)", title_fontsize=8)
-    fig.suptitle(f"flashladder capstone on {run['meta']['gpu']} (× = speedup against SDPA default, same mode)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def console_summary(run: dict) -> str:
-    return "\n\n".join([times_table(run, mode) for mode in run["modes"]] + [agreement_table(run), counts_note(run)])
 
 
 # ---------------------------------------------------------------- sample videos: WanPipeline with the step

@@ -8,7 +8,7 @@
 diffusers' CogVideoXTransformer3DModel with CogVideoX-2B's configuration (30 heads of 64: what the step takes from
 step41 on) and seeded random weights, in fp16 as CogVideoX-2B is published (--dtype bfloat16 for the other), one
 denoiser forward of the pipeline's guided step (batch 2: the prompt's and the negative prompt's) per shape, timed as
-python -m verify.capstone times Wan's (verify/capstone.py: warm-up, the median of --iters forwards, eager and
+python -m verify.capstone times Wan's (verify/models.py's benchmark: warm-up, the median of --iters forwards, eager and
 torch.compile, every output against SDPA's default's) with SDPA's default, cuDNN and FLASH, the final step through its
 drop-in (strict: every attention call must go to it) and FlashAttention-3 through the same drop-in where it imports.
 Every block attends once, over the text's 226 tokens and the video's together. Writes
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from verify import capstone, machine, models
+from verify import machine, models
 from verify import steps as steps_mod
 from verify.models import arg_type, gpu_meta, load_step, need
 
@@ -83,6 +83,13 @@ def parse_shapes(text: str) -> list[tuple]:
     return out
 
 
+def parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"cannot read {text!r}: give {', '.join(MODES)} or both, comma-separated")
+    return list(dict.fromkeys(modes))
+
+
 def build_transformer(config: dict, device, dtype: str = "float16", seed: int = SEED):
     """CogVideoXTransformer3DModel(**config) with seeded random weights, made on `device`, in `dtype` (but what diffusers
     keeps in float32), in eval mode, without gradients."""
@@ -114,7 +121,7 @@ def attention_calls(config: dict) -> int:
 
 def record(result: dict, *, meta: dict, path: Path, step: str, config: dict, dtype: str, shapes: list, modes: list,
            rows: list, timing: dict, seconds: float) -> dict:
-    """The results file's contents: capstone.benchmark()'s runs, what was run and where, and the speedups."""
+    """The results file's contents: models.benchmark()'s runs, what was run and where, and the speedups."""
     run = {
         "kind": "cogvideox", "path": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path), "meta": meta,
         "step": step,
@@ -125,7 +132,7 @@ def record(result: dict, *, meta: dict, path: Path, step: str, config: dict, dty
         "attention_calls": attention_calls(config), "timing": timing, **result, "argv": sys.argv[1:],
         "seconds": round(seconds, 1),
     }
-    run["speedup_vs_sdpa_default"] = capstone.speedups(run["runs"])
+    run["speedup_vs_sdpa_default"] = models.speedups(run["runs"])
     return run
 
 
@@ -139,9 +146,9 @@ def is_full(run: dict) -> bool:
 def markdown(run: dict) -> str:
     """The CogVideoX section's body (docs/capstone.md), all of it from the results file."""
     meta, t, m = run["meta"], run["timing"], run["model"]
-    out = [capstone.times_table(run, mode) for mode in run["modes"]]
-    out.append(capstone.agreement_table(run))
-    note = capstone.counts_note(run)
+    out = [models.times_table(run, mode) for mode in run["modes"]]
+    out.append(models.agreement_table(run))
+    note = models.counts_note(run)
     layers = m["config"]["num_layers"]
     out.append(
         f"One guided denoiser forward (batch {m['batch']}) of {m['class']} with CogVideoX-2B's configuration"
@@ -172,7 +179,7 @@ def make_parser():
     ap = steps_mod.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--step", type=steps_mod.steps_arg, help="the step to put in the model (default: the last, the final step)")
     ap.add_argument("--shapes", type=arg_type(parse_shapes), help="17776 (default), or latent grids FxHxW (e.g. 2x16x16)")
-    ap.add_argument("--modes", type=arg_type(capstone.parse_modes), help="eager,compile (default)")
+    ap.add_argument("--modes", type=arg_type(parse_modes), help="eager,compile (default)")
     ap.add_argument("--dtype", choices=DTYPES, default="float16", help="the weights' and activations' type (default: float16, "
                     "CogVideoX-2B's)")
     ap.add_argument("--iters", type=int, default=5, help="timed forwards per backend and shape; the median (default: 5)")
@@ -208,20 +215,20 @@ def run_benchmark(args, log) -> int:
     inputs = {tokens_of(config, g): make_inputs(config, g, device, args.dtype) for g in shapes}
     log(f"model built in {time.time() - t0:.1f} s")
     rows = models.backends(step_mod)
-    result = capstone.benchmark(model, config, shapes, modes, rows, warmup=warmup, iters=iters, device=device,
+    result = models.benchmark(model, config, shapes, modes, rows, warmup=warmup, iters=iters, device=device,
                                 inputs=inputs, log=lambda m: print(m, file=sys.stderr, flush=True))
     meta = gpu_meta(device)
     meta["clocks_after"] = machine.smi().get("clocks", {})
-    json_path = models.results_path("cogvideox", meta["gpu"], capstone.SMOKE_ROOT if args.quick else ROOT)
+    json_path = models.results_path("cogvideox", meta["gpu"], models.SMOKE_ROOT if args.quick else ROOT)
     run = record(result, meta=meta, path=json_path, step=step, config=config, dtype=args.dtype, shapes=shapes, modes=modes,
                  rows=rows, timing={"warmup": warmup, "iters": iters, "compile_backend": "inductor",
                                     "compile_scope": "model", "fullgraph": True}, seconds=time.time() - t0)
-    capstone.write_results(run, json_path, args.out, log)
+    models.write_results_and_chart(run, json_path, args.out, log)
     if args.readme == "yes" or (args.readme == "auto" and is_full(run)):
         if update_readme(models.MODELS_PAGE, run):
             log("docs/capstone.md: CogVideoX section regenerated")
     log("")
-    log(capstone.console_summary(run))
+    log(models.console_summary(run))
     failed = [f"{m} {t} {n}" for m in modes for t, cells in run["runs"][m].items() for n, c in cells.items()
               if c.get("status", "").startswith("failed")]
     if failed:
@@ -236,7 +243,7 @@ def main(argv=None) -> int:
         run = json.loads(args.report.read_text())
         if run.get("kind") != "cogvideox":
             raise SystemExit(f"{PROG}: error: {args.report} is not a CogVideoX results file (kind {run.get('kind')!r})")
-        capstone.chart(run, args.report.with_suffix(".png"))
+        models.chart(run, args.report.with_suffix(".png"))
         if update_readme(models.MODELS_PAGE, run):
             log(f"docs/capstone.md: CogVideoX section regenerated from {args.report}")
         return 0

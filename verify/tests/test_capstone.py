@@ -78,7 +78,7 @@ def test_the_shapes_of_record_give_their_token_counts_in_diffusers_model(diffuse
     config = capstone.WAN_T2V_1_3B
     with torch.device("meta"):
         model = diffusers.WanTransformer3DModel(**{**config, "num_layers": 1}).to(torch.bfloat16)
-    latents = capstone.make_inputs(config, capstone.SHAPES[tokens], "meta")["hidden_states"]
+    latents = models.make_inputs(config, capstone.SHAPES[tokens], "meta")["hidden_states"]
     assert model.patch_embedding(latents).flatten(2).shape[-1] == tokens == capstone.tokens_of(capstone.SHAPES[tokens])
 
 
@@ -99,7 +99,7 @@ def test_every_attention_call_of_the_model_goes_through_the_drop_in(diffusers, f
     block), in eager and compiled whole with fullgraph=True, and the two agree."""
     config = tiny_config()
     model = capstone.build_transformer(config, "cpu")
-    args = capstone.make_inputs(config, (2, 8, 8), "cpu")
+    args = models.make_inputs(config, (2, 8, 8), "cpu")
     step = stand_in_step()
     with torch.no_grad():
         plain = model(**args)[0]
@@ -109,7 +109,7 @@ def test_every_attention_call_of_the_model_goes_through_the_drop_in(diffusers, f
             compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(**args)[0]
     assert r.routed == rc.routed == capstone.attention_calls(config) == 4 and not r.fallbacks and not rc.fallbacks
     assert torch.allclose(compiled.float(), routed.float(), atol=2e-2, rtol=2e-2)
-    assert capstone.agreement(routed, plain)["cosine"] > 0.999  # the stand-in computes attention as SDPA does
+    assert models.agreement(routed, plain)["cosine"] > 0.999  # the stand-in computes attention as SDPA does
 
 
 # ---------------------------------------------------------------- the benchmark, its record, the README section, the chart
@@ -176,8 +176,8 @@ def test_the_readme_section_is_made_from_the_results_file(cpu_run, tmp_path):
     text = capstone.markdown(run)
     cell = run["runs"]["compile"]["16"]["stand_in"]
     sp = run["speedup_vs_sdpa_default"]["compile"]["16"]["stand_in"]
-    assert f"| 16 (1×8×8) | {capstone._ms(run['runs']['compile']['16']['sdpa_default']['ms'])} (1.000×) | " \
-           f"{capstone._ms(cell['ms'])} ({sp:.3f}×) | not installed |" in text, text
+    assert f"| 16 (1×8×8) | {models.ms_text(run['runs']['compile']['16']['sdpa_default']['ms'])} (1.000×) | " \
+           f"{models.ms_text(cell['ms'])} ({sp:.3f}×) | not installed |" in text, text
     assert f"{cell['rel_err']:.2e} / {cell['cosine']:.6f}" in text
     assert "stand-in: 2 of 2 attention calls routed per eager forward" in text and f"Source: `{run['path']}`" in text
     readme = tmp_path / "README.md"
@@ -371,11 +371,11 @@ def test_each_compiled_row_is_compiled_with_inductor_s_caches_off(diffusers):
     import torch._inductor.config as inductor_config
     model = capstone.build_transformer(tiny_config(layers=1), "meta")
     before = inductor_config.force_disable_caches
-    with capstone.compiled(model, "compile", "model", "aot_eager", True):
+    with models.compiled(model, "compile", "model", "aot_eager", True):
         assert inductor_config.force_disable_caches is True
-    with capstone.compiled(model, "compile", "blocks", "aot_eager", True):
+    with models.compiled(model, "compile", "blocks", "aot_eager", True):
         assert inductor_config.force_disable_caches is True
-    with capstone.compiled(model, "eager", "model", "aot_eager", True):
+    with models.compiled(model, "eager", "model", "aot_eager", True):
         assert inductor_config.force_disable_caches == before
     assert inductor_config.force_disable_caches == before
 

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from verify import capstone, cogvideox, models  # noqa: E402
+from verify import cogvideox, models  # noqa: E402
 from verify.tests.test_capstone import optional  # noqa: E402
 from verify.tests.test_sdpa_router import CPU_LIMITS, binding, stand_in_attention  # noqa: E402
 
@@ -85,7 +85,7 @@ def test_every_attention_call_goes_through_the_drop_in_at_head_dim_64(diffusers)
 
 @pytest.fixture(scope="module")
 def cpu_run(diffusers, tmp_path_factory):
-    """capstone.benchmark() with CogVideoX's inputs on CPU: SDPA's default and the stand-in, eager, one tiny shape."""
+    """models.benchmark() with CogVideoX's inputs on CPU: SDPA's default and the stand-in, eager, one tiny shape."""
     config = tiny_config(layers=1)
     model = cogvideox.build_transformer(config, "cpu", "bfloat16")
     step = stand_in_step()
@@ -94,14 +94,14 @@ def cpu_run(diffusers, tmp_path_factory):
             models.Backend("fa3", "FA3", None, "not installed")]
     shapes = [(2, 8, 8)]
     inputs = {cogvideox.tokens_of(config, g): cogvideox.make_inputs(config, g, "cpu", "bfloat16") for g in shapes}
-    result = capstone.benchmark(model, config, shapes, ["eager"], rows, warmup=1, iters=3, device="cpu", inputs=inputs,
+    result = models.benchmark(model, config, shapes, ["eager"], rows, warmup=1, iters=3, device="cpu", inputs=inputs,
                                 log=lambda m: None)
     path = tmp_path_factory.mktemp("results") / "cogvideox-test.json"
     run = cogvideox.record(result, meta={"gpu": "no GPU (test)", "torch": torch.__version__, "diffusers": diffusers.__version__},
                            path=path, step="stand_in", config=config, dtype="bfloat16", shapes=shapes, modes=["eager"],
                            rows=rows, timing={"warmup": 1, "iters": 3, "compile_backend": "inductor", "fullgraph": True},
                            seconds=1.0)
-    capstone.write_results(run, path, log=lambda m: None)
+    models.write_results_and_chart(run, path, log=lambda m: None)
     return run, path
 
 
@@ -120,7 +120,7 @@ def test_the_section_is_made_from_the_results_file_and_a_run_of_record_is_the_fu
     run, _ = cpu_run
     text = cogvideox.markdown(run)
     cell = run["runs"]["eager"]["40"]["stand_in"]
-    assert f"{capstone._ms(cell['ms'])} ({run['speedup_vs_sdpa_default']['eager']['40']['stand_in']:.3f}×)" in text
+    assert f"{models.ms_text(cell['ms'])} ({run['speedup_vs_sdpa_default']['eager']['40']['stand_in']:.3f}×)" in text
     assert "but 1 layers" in text and "head dim 64" in text and f"Source: `{run['path']}`" in text
     page = tmp_path / "capstone.md"
     page.write_text(f"# x\n\n{cogvideox.README_BEGIN}\nold\n{cogvideox.README_END}\n")

@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from verify import capstone, cp  # noqa: E402
+from verify import capstone, cp, models  # noqa: E402
 from verify.reference import attention_reference, attention_reference_of, causal_mask  # noqa: E402
 from verify.tests.test_capstone import optional  # noqa: E402
 from verify.tests.test_sdpa_router import (  # noqa: E402
@@ -357,7 +357,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         step = stand_in_step()
         args = types.SimpleNamespace(cp="ulysses", shapes=[GRID], warmup=1, iters=2, quick=False, out=None)
         rc = cp._run(args, rank, world, "cpu", dist, lambda m: None, step_mod=step, config=tiny_config(), root=Path(out))
-        x = capstone.make_inputs(tiny_config(), GRID, "cpu")
+        x = models.make_inputs(tiny_config(), GRID, "cpu")
         got = {"rc": rc}
         # Ulysses first: the ring model sets diffusers' active backend to _native_cudnn, which a later model would take
         for name, mode, router in (
@@ -392,7 +392,7 @@ def two_ranks(diffusers, tmp_path_factory):
     assert all(p.exitcode == 0 for p in procs), f"a rank failed or hung: exit codes {[p.exitcode for p in procs]}"
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     model = capstone.build_transformer(tiny_config(), "cpu")
-    x = capstone.make_inputs(tiny_config(), GRID, "cpu")
+    x = models.make_inputs(tiny_config(), GRID, "cpu")
     attn1 = []
     with torch.no_grad():
         plain = model(**x)[0]
@@ -411,12 +411,12 @@ def test_context_parallelism_with_the_drop_in_is_the_one_process_model(two_ranks
     for rank, got in enumerate(ranks):
         assert got[mode + "_counts"] == (cp.calls_per_rank(mode, tiny_config(), 2), {})
         assert got[mode].shape == routed.shape and torch.equal(got[mode], ranks[0][mode])
-        assert capstone.agreement(got[mode], routed)["rel_err"] < 5e-3
-        assert capstone.agreement(got[mode], plain)["cosine"] > 0.999
+        assert models.agreement(got[mode], routed)["rel_err"] < 5e-3
+        assert models.agreement(got[mode], plain)["cosine"] > 0.999
         # the first block's self-attention (its output projection included), this rank's half of the tokens
-        assert capstone.agreement(got[mode + "_attn1"], attn1.chunk(2, dim=1)[rank])["rel_err"] < 5e-3
+        assert models.agreement(got[mode + "_attn1"], attn1.chunk(2, dim=1)[rank])["rel_err"] < 5e-3
     if mode == "ulysses":  # whole sequences of one head a rank: the same calls as one process, the same numbers
-        assert capstone.agreement(ranks[0][mode], routed)["rel_err"] < 1e-3
+        assert models.agreement(ranks[0][mode], routed)["rel_err"] < 1e-3
 
 
 def test_the_ring_reads_the_lse_it_is_given(two_ranks):
@@ -425,7 +425,7 @@ def test_the_ring_reads_the_lse_it_is_given(two_ranks):
     for rank, got in enumerate(ranks):
         assert got["ring_wrong_lse_counts"][0] == cp.calls_per_rank("ring", tiny_config(), 2)
         mine = attn1.chunk(2, dim=1)[rank]
-        wrong, right = (capstone.agreement(got[name], mine)["rel_err"] for name in ("ring_wrong_lse_attn1", "ring_attn1"))
+        wrong, right = (models.agreement(got[name], mine)["rel_err"] for name in ("ring_wrong_lse_attn1", "ring_attn1"))
         assert wrong > 0.1 and wrong > 30 * right, (wrong, right)
 
 
@@ -458,7 +458,7 @@ def test_the_shapes_give_their_token_counts_in_diffusers_model(diffusers, tokens
     config = capstone.WAN_T2V_1_3B
     with torch.device("meta"):
         model = diffusers.WanTransformer3DModel(**{**config, "num_layers": 1}).to(torch.bfloat16)
-    latents = capstone.make_inputs(config, cp.SHAPES[tokens], "meta")["hidden_states"]
+    latents = models.make_inputs(config, cp.SHAPES[tokens], "meta")["hidden_states"]
     assert model.patch_embedding(latents).flatten(2).shape[-1] == tokens == capstone.tokens_of(cp.SHAPES[tokens])
     assert all(tokens % n == 0 for n in range(2, 9))  # splits evenly among 2 to 8 ranks
 
