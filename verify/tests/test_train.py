@@ -184,3 +184,22 @@ def test_the_command_line():
         train.parse_args(["--report", "no/such/file.json"])
     with pytest.raises(SystemExit):
         train.parse_args(["--iters", "0"])
+
+
+def test_the_wan_run_of_record_is_the_newest_with_checkpointing_where_there_is_one(tmp_path):
+    """Issue 37 states the Wan training step's target with gradient checkpointing: a checkpointed run of record is
+    shown over a newer one without it; without any, the newest is; Qwen's is the newest either way."""
+    def write(name, checkpointing, key="wan", iters=5):
+        model = {"key": key, "config": json.loads(json.dumps(train.MODELS[key].config)), "gradient_checkpointing": checkpointing}
+        run = {"kind": "train", "model": model, "grid": list(train.GRID), "tokens": train.TOKENS, "timing": {"iters": iters},
+               "name": name}
+        (tmp_path / "results" / "h200").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "results" / "h200" / f"train-{key}-{name}.json").write_text(json.dumps(run))
+    write("2026-12-01", False)
+    assert train.newest_full_runs(tmp_path)["wan"]["name"] == "2026-12-01"
+    write("2026-12-02", True)
+    write("2026-12-03", False)
+    write("2026-12-04", True, iters=2)  # not a run of record: too few steps
+    assert train.newest_full_runs(tmp_path)["wan"]["name"] == "2026-12-02"
+    write("2026-12-05", False, key="qwen")
+    assert train.newest_full_runs(tmp_path)["qwen"]["name"] == "2026-12-05"
