@@ -2034,6 +2034,60 @@ def fp16_bf16(k: Code):
     return fig
 
 
+@picture("dq_partials.png")
+def dq_partials(k: Code):
+    keys, queries = k.final("KEY_TILE"), k.final("BWD_TILE")
+    box_cols = k.final("DQ_BOX_FLOATS") // queries                 # 32 dims a box of the staged dQ tile
+    boxes = 128 // box_cols
+    k.find("final", r"for \(int kk = 0; kk < (KEY_TILE / 16 / \(128 / D\)); \+\+kk\)", "dQ^T's k-steps by the head dim")
+    k.find("final", r"cp_reduce_async_bulk_tensor_4d_add\(&dQ_map, (box % \(D / 32\) \* 32)", "the column a staged box adds to")
+    fig = plt.figure(figsize=(13, 7.0))
+    fig.suptitle("step42: dQ^T = K^T dS^T by the two consumer warpgroups, at head dim 128 and at 64", fontsize=13)
+    colours = (C_COMPUTE, C_TMA)
+    for panel, d in enumerate((128, 64)):
+        ax = fig.add_axes([0.01 + 0.5 * panel, 0.2, 0.48, 0.68])
+        blank(ax, (0, 24), (0, 20))
+        ax.text(12, 19.4, f"head dim {d}", ha="center", fontsize=12, weight="bold")
+        # K: [keys, d], keys down, dims across; each warpgroup's share in its colour
+        sx = 6.5 / 128                                           # drawing units per dim or key
+        kx, ky, kw, kh = 0.5, 11, d * sx, keys * sx
+        ax.text(kx, ky + kh + 0.4, f"K: {keys} keys x {d} dims", fontsize=8.5)
+        for wg in range(2):
+            if d == 128:   # each warpgroup: its half of the dims, all the keys
+                box(ax, kx + wg * kw / 2, ky, kw / 2, kh, f"wg{wg}\ndims\n{64 * wg}-{64 * wg + 63}\nall keys",
+                    colours[wg], alpha=0.45, size=7.5)
+            else:          # each warpgroup: all 64 dims, its half of the keys
+                box(ax, kx, ky + (1 - wg) * kh / 2, kw, kh / 2, f"wg{wg}\nkeys\n{64 * wg}-{64 * wg + 63}", colours[wg],
+                    alpha=0.45, size=7.5)
+        steps = keys // 16 // (128 // d)
+        ax.text(kx, ky - 0.6, f"each warpgroup:\nM = 64 dims,\nN = {queries} queries,\n{steps} k-steps of 16 keys",
+                fontsize=8, va="top")
+        # the staged dQ tile: boxes of box_cols dims x queries, and the accumulator they are added to
+        tx, ty, bw = 8.2, 13.5, 3.7
+        ax.text(tx, ty + 3.3, f"dQ staged (shared memory): {boxes} boxes of {queries} queries x {box_cols} dims", fontsize=8.5)
+        for b in range(boxes):
+            wg = b // 2
+            dims = b * box_cols if d == 128 else b % 2 * box_cols
+            box(ax, tx + b * (bw + 0.2), ty, bw, 2.8, f"box {b}: wg{wg}\ndims {dims}-{dims + box_cols - 1}", colours[wg],
+                alpha=0.45, size=7.5)
+        ax.text(tx, 4.2, f"dQ accumulator (fp32, L2): {queries} queries x {d} dims", fontsize=8.5, va="top")
+        for c in range(d // box_cols):
+            box(ax, tx + c * (bw + 0.2), 4.6, bw, 2.6, f"dims {c * box_cols}-{c * box_cols + box_cols - 1}", C_LIGHT, size=7.5)
+        for b in range(boxes):
+            target = b % (d // box_cols)
+            arrow(ax, (tx + b * (bw + 0.2) + bw / 2, ty), (tx + target * (bw + 0.2) + bw / 2, 7.2), colours[b // 2])
+        ax.text(tx, 3.2, "cp.reduce.async.bulk.tensor .add, one instruction a box" + (
+            "" if d == 128 else ":\ntwo partials to each column; a deterministic call adds\nwg1's once wg0's have landed (the same bits)"),
+                fontsize=8, va="top")
+    caption(fig, f"At 128 each consumer warpgroup of the dK/dV kernel (64 keys of the CTA's {keys}) computes dQ^T for its "
+            f"half of the head dim over all {keys} keys: M = 64 dims is one wgmma's M. At 64 there is one half, so each "
+            f"warpgroup computes all 64 dims over its own 64 keys instead, half the k-steps: a partial sum. Both partials "
+            f"are staged in the same tile as at 128 (the same {boxes} boxes, the same bytes) and the reducer adds each box "
+            f"to its column of the accumulator: at 128 every box to its own, at 64 two boxes to each. The sizes are read "
+            "from the final step's kernel.cu.", y=0.01, width=170)
+    return fig
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python docs/pictures.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="pictures to draw (file names, .png optional; default: all)")
