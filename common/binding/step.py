@@ -104,16 +104,18 @@ class Step:
         """O = softmax(q k^T * scale + mask) v and LSE = logsumexp(q k^T * scale + mask) (natural log).
 
         q: bf16 [batch, heads, seqlen_q, 128]; k, v: bf16 [batch, heads_k, seqlen_k, 128], on one GPU that the step
-        runs on (info["archs"]); fp16 as well where info["dtypes"] says so (q, k and v of one type); heads_k = heads,
+        runs on (info["archs"]); fp16 as well where info["dtypes"] says so (q, k and v of one type), and another head dim
+        (q's, k's and v's last, one for all three) where info["head_dims"] says so; heads_k = heads,
         or (info["gqa"]) a divisor of it: query head h reads key/value head h // (heads // heads_k).
         causal (info["causal"]): False, or the diagonal's corner: "top_left" (SDPA's is_causal=True: row i sees keys
         0..i) or "bottom_right" (torch's causal_lower_right: row i sees keys 0..i + seqlen_k - seqlen_q). A row that
         sees no key gets o = 0 and lse = -inf.
         Returns (o: q's dtype [batch, heads, seqlen_q, 128], lse: float32 [batch, heads, seqlen_q]); o laid out in memory
         as q is (a [batch, seqlen, heads, 128] tensor transposed gives o the same; output_like).
-        scale defaults to 1/sqrt(128). Runs on the current CUDA stream; never synchronizes.
-        Gradients (info["backward"]): torch's autograd reaches q, k and v through o and lse (the step's backward);
-        a step without one says so, in one line, when a gradient is asked of it. deterministic: the same gradient bits
+        scale defaults to 1/sqrt(head dim). Runs on the current CUDA stream; never synchronizes.
+        Gradients (info["backward"]): torch's autograd reaches q, k and v through o and lse (the step's backward, at
+        the head dims of info["backward_head_dims"]); a step without one says so, in one line, when a gradient is asked
+        of it. deterministic: the same gradient bits
         on every call (True) or whatever order is fastest (False); None follows torch.use_deterministic_algorithms.
         info["backward_deterministic"] says what it costs a step: "always" (nothing), "on request" (another way).
         Empty inputs (batch, heads or seqlen_q of 0) give empty outputs without a launch; with seqlen_k = 0
@@ -132,10 +134,11 @@ class Step:
 
     def sdpa(self, strict: bool = False, gradients: bool = True) -> SdpaRouter:
         """A drop-in for torch's SDPA: `with sdpa() as r: model(x)` sends each torch.nn.functional.scaled_dot_product_attention
-        call that this step can take (CUDA, bf16 (info["dtypes"]: fp16 too), head dim 128, [batch, heads, seqlen, 128]
-        with a contiguous last dim, equal heads (or, info["gqa"], fewer key/value heads with enable_gqa=True), no mask (info["causal"]: but
-        is_causal=True or torch's causal bias), no dropout, no gradients needed (info["backward"]: gradients too, unless
-        gradients=False, which leaves those calls, forward and backward, to torch), `scale` any positive float, the
+        call that this step can take (CUDA, bf16 (info["dtypes"]: fp16 too), head dim 128 (info["head_dims"]: others too),
+        [batch, heads, seqlen, head dim] with a contiguous last dim, equal heads (or, info["gqa"], fewer key/value heads
+        with enable_gqa=True), no mask (info["causal"]: but is_causal=True or torch's causal bias), no dropout, no
+        gradients needed (info["backward"]: gradients too, unless gradients=False, which leaves those calls, forward and
+        backward, to torch), `scale` any positive float, the
         seqlens this step takes, a GPU it runs on) to it, and every other call to torch unchanged. r.routed counts the
         calls routed, r.fallbacks (a Counter) the others by reason; strict=True raises NotRouted for a call it cannot take
         instead. Works in eager, under torch.compile and in CUDA-graph capture (SdpaRouter says how each counts)."""
