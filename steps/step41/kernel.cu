@@ -24,9 +24,9 @@
 //   cycles of the SM's 16 MUFU lanes, as long as the tile's products at the tensor cores' peak. The exponentials bind:
 //   well under 128's rate in TFLOP/s (FA3 at 64: ~0.75x its rate at 128). Head dim 128 unchanged.
 // MEASURED: (no GPU run yet)
-// CHECKED: without a GPU, in the SASS (test_sass.py): the kernels at 128 are step40's, opcode for opcode; those at 64
-//   issue S = Q K^T in 4 k-steps where 128 takes 8, P V at N = 64, one TMA copy per tile where 128 takes two, and as many
-//   exponentials; 0 spills.
+// CHECKED: without a GPU, in the SASS (test_sass.py): the kernels at 128 are step40's, instruction for instruction;
+//   those at 64 issue S = Q K^T in 4 k-steps where 128 takes 8, P V at N = 64, one TMA copy per tile where 128 takes
+//   two, and as many exponentials; 0 spills.
 #include <climits>
 
 #include "flashladder.cuh"

@@ -24,11 +24,12 @@
 //   every call that needs a gradient back to torch.
 // PREDICTION: at 64 the five products per tile halve (S^T and dP^T over 4 k-steps, dV and dK at N = 64, dQ^T's 4
 //   k-steps per warpgroup) and the exponentials stay: the backward at 64 runs well under its rate at 128 in TFLOP/s, as
-//   the forward does; 128 unchanged. The dQ reduction moves as many bytes per tile as at 128 (two partials of 64 dims).
+//   the forward does; 128 unchanged. The dQ reduction moves as many bytes per tile as at 128 (two partials of 64 dims),
+//   twice as many per FLOP: the cap FA3's notes name for the backward at 128 weighs double at 64.
 // MEASURED: (no GPU run yet)
-// CHECKED: without a GPU, in the SASS (test_sass.py): every kernel at 128 is step41's, opcode for opcode; at 64 each
-//   dK/dV kernel issues half the m64n80 HGMMAs (S^T, dP^T, and dQ^T's 4 k-steps a warpgroup), dV's and dK's at N = 64,
-//   half the TMA loads, as many dQ reductions and exponentials; 0 spills.
+// CHECKED: without a GPU, in the SASS (test_sass.py): every kernel at 128 is step41's, instruction for instruction;
+//   at 64 each dK/dV kernel issues half the m64n80 HGMMAs (S^T, dP^T, and dQ^T's 4 k-steps a warpgroup), dV's and
+//   dK's at N = 64, half the TMA loads, as many dQ reductions and exponentials; 0 spills.
 #include <climits>
 
 #include "flashladder.cuh"
