@@ -237,9 +237,12 @@ def run_benchmark(args, log) -> int:
 
 
 def main(argv=None) -> int:
-    args = make_parser().parse_args(argv)
+    ap = make_parser()
+    args = ap.parse_args(argv)
     log = print
     if args.report:
+        if not args.report.is_file():
+            ap.error(f"argument --report: {args.report} is not a file")
         run = json.loads(args.report.read_text())
         if run.get("kind") != "cogvideox":
             raise SystemExit(f"{PROG}: error: {args.report} is not a CogVideoX results file (kind {run.get('kind')!r})")

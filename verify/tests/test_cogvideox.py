@@ -155,3 +155,21 @@ def test_fa3_rows_take_head_dim_64_and_fp16():
     fa3 = [r for r in models.backends(step, fa3=(lambda q, k, v, scale, causal=False: q, "test")) if r.name == "fa3"][0]
     limits = fa3.context().limits
     assert 64 in limits.head_dims and 128 in limits.head_dims and limits.features & binding.FEATURE_FP16
+
+
+def test_report_regenerates_the_section_and_the_chart_without_a_gpu(cpu_run, tmp_path, monkeypatch):
+    """--report FILE: the docs section and the chart from a results file; a missing file or another kind of results
+    file is refused in one line."""
+    run, path = cpu_run
+    page = tmp_path / "capstone.md"
+    page.write_text(f"{cogvideox.README_BEGIN}\nold\n{cogvideox.README_END}\n")
+    monkeypatch.setattr(models, "MODELS_PAGE", page)
+    path.with_suffix(".png").unlink()
+    assert cogvideox.main(["--report", str(path)]) == 0
+    assert cogvideox.markdown(run) in page.read_text() and path.with_suffix(".png").exists()
+    with pytest.raises(SystemExit):
+        cogvideox.main(["--report", str(tmp_path / "missing.json")])
+    other = tmp_path / "capstone-x.json"
+    other.write_text(json.dumps({"kind": "capstone"}))
+    with pytest.raises(SystemExit, match="is not a CogVideoX results file"):
+        cogvideox.main(["--report", str(other)])
