@@ -22,8 +22,9 @@
 // PREDICTION: fp16 as fast as bf16, call for call: the tensor cores take both at one rate, and ptxas makes the
 //   same code of both builds (below); bf16 unchanged. fp16 errors ~8x smaller than bf16's (3 more bits of precision).
 // MEASURED: (no GPU run yet)
-// CHECKED: without a GPU, in the SASS (test_sass.py): the bf16 builds are step39's kernels, opcode for opcode; each
-//   fp16 build is its bf16 twin instruction for instruction, but for the type of its HGMMAs and F2FP conversions.
+// CHECKED: without a GPU, in the SASS (test_sass.py): the bf16 builds are step39's kernels, instruction for
+//   instruction; each fp16 build has its bf16 twin's instructions, in number and kind, but for the type of its HGMMAs
+//   and F2FP conversions.
 #include <climits>
 
 #include "flashladder.cuh"

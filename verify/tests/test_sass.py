@@ -891,15 +891,16 @@ def comparable(name: str) -> str:
 
 def test_each_kernel_is_built_for_bf16_and_fp16_step40(cuobjdump):
     """step40's header says each kernel is built twice, for bf16 and fp16, and only the type changes: the bf16 builds
-    compile to step39's kernels, opcode for opcode; each fp16 build has its bf16 twin's instructions, in number and kind,
+    compile to step39's kernels, instruction for instruction; each fp16 build has its bf16 twin's instructions, in number and kind,
     but for the type of its HGMMAs (all of them) and of its F2FP conversions (all of them); the delta kernel, which
     loads O and dO, only the same count."""
-    ops = kernel_opcodes(cuobjdump, ("step39", "step40"))
-    bf16 = {comparable(name): c for name, c in bf16_builds(ops["step40"]).items()}
-    step39 = {comparable(name): c for name, c in ops["step39"].items()}
+    code = kernel_code(cuobjdump, ("step39", "step40"))
+    bf16 = {comparable(name): c for name, c in bf16_builds(code["step40"]).items()}
+    step39 = {comparable(name): c for name, c in code["step39"].items()}
     assert sorted(bf16) == sorted(step39), (sorted(bf16), sorted(step39))
-    for name, old in step39.items():
-        assert not apart(old, bf16[name]), f"step40's bf16 {name}: {apart(old, bf16[name])}"
+    for name, old in step39.items():  # instruction for instruction, in order
+        assert old == bf16[name], f"step40's bf16 {name}: {first_difference(old, bf16[name])}"
+    ops = kernel_opcodes(cuobjdump, ("step40",))
     halves = {name.replace("I6__halfL", "I13__nv_bfloat16L").replace("I6__halfE", "I13__nv_bfloat16E"): c
               for name, c in ops["step40"].items() if "6__half" in name}
     assert len(halves) == len(bf16) == 11, sorted(halves)
