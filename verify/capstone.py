@@ -379,10 +379,7 @@ def parse_shapes(text: str) -> list[tuple]:
 
 
 def parse_modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
-        raise ValueError(f"cannot read {text!r}: give {', '.join(MODES)} or both, comma-separated")
-    return list(dict.fromkeys(modes))
+    return models.parse_modes(text, MODES)
 
 
 def make_parser():

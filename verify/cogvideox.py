@@ -61,14 +61,6 @@ def tokens_of(config: dict, grid) -> int:
     return config["max_text_seq_length"] + frames * (height // config["patch_size"]) * (width // config["patch_size"])
 
 
-def parse_grid(text: str) -> tuple:
-    """A latent grid 'FxHxW' (height and width even: the 2x2 patch) -> (F, H, W); ValueError where it is none."""
-    dims = text.lower().split("x")
-    if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims) or int(dims[1]) % 2 or int(dims[2]) % 2:
-        raise ValueError(f"{text!r} is not a latent grid FxHxW with an even height and width")
-    return tuple(int(d) for d in dims)
-
-
 def parse_shapes(text: str) -> list[tuple]:
     """'17776' (a shape of record) or latent grids 'FxHxW', comma-separated."""
     out = []
@@ -79,15 +71,8 @@ def parse_shapes(text: str) -> list[tuple]:
                 raise ValueError(f"{part} tokens is no shape of record ({', '.join(map(str, SHAPES))}); give a latent grid FxHxW")
             out.append(SHAPES[int(part)])
         else:
-            out.append(parse_grid(part))
+            out.append(models.parse_grid(part))  # Wan's patch, 1x2x2, is CogVideoX's too: any frames, even sides
     return out
-
-
-def parse_modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
-        raise ValueError(f"cannot read {text!r}: give {', '.join(MODES)} or both, comma-separated")
-    return list(dict.fromkeys(modes))
 
 
 def build_transformer(config: dict, device, dtype: str = "float16", seed: int = SEED):
@@ -179,7 +164,7 @@ def make_parser():
     ap = steps_mod.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--step", type=steps_mod.steps_arg, help="the step to put in the model (default: the last, the final step)")
     ap.add_argument("--shapes", type=arg_type(parse_shapes), help="17776 (default), or latent grids FxHxW (e.g. 2x16x16)")
-    ap.add_argument("--modes", type=arg_type(parse_modes), help="eager,compile (default)")
+    ap.add_argument("--modes", type=arg_type(lambda text: models.parse_modes(text, MODES)), help="eager,compile (default)")
     ap.add_argument("--dtype", choices=DTYPES, default="float16", help="the weights' and activations' type (default: float16, "
                     "CogVideoX-2B's)")
     ap.add_argument("--iters", type=int, default=5, help="timed forwards per backend and shape; the median (default: 5)")

@@ -105,6 +105,14 @@ def parse_grid(text: str) -> tuple:
     return tuple(int(d) for d in dims)
 
 
+def parse_modes(text: str, modes: tuple) -> list[str]:
+    """'eager,compile' -> the modes named (each of `modes`), in order, once each; ValueError for anything else."""
+    named = [m.strip() for m in text.split(",") if m.strip()]
+    if not named or any(m not in modes for m in named):
+        raise ValueError(f"cannot read {text!r}: give {', '.join(modes)} or both, comma-separated")
+    return list(dict.fromkeys(named))
+
+
 def make_inputs(config: dict, grid, device, seed: int = SEED + 1) -> dict:
     """One denoiser forward's arguments: bf16 latents [1, channels, *grid], random text-encoder states of TEXT_TOKENS
     tokens, and a timestep."""

@@ -22,7 +22,7 @@
 // WHY: CogVideoX, LTX-Video, SD3 and GPT-OSS pass head dim 64; the drop-in sent every such call back to torch.
 // PREDICTION: at 64 a tile holds half the tensor-core work of 128's and the same exponentials: 16384 per CTA tile, 1024
 //   cycles of the SM's 16 MUFU lanes, as long as the tile's products at the tensor cores' peak. The exponentials bind:
-//   well under 128's rate in TFLOP/s (FA3 at 64: ~0.75x its rate at 128). Head dim 128 unchanged.
+//   well under 128's rate in TFLOP/s (as FA3's is, in the issue's table). Head dim 128 unchanged.
 // MEASURED: (no GPU run yet)
 // CHECKED: without a GPU, in the SASS (test_sass.py): the kernels at 128 are step40's, instruction for instruction;
 //   those at 64 issue S = Q K^T in 4 k-steps where 128 takes 8, P V at N = 64, one TMA copy per tile where 128 takes
