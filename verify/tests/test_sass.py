@@ -974,3 +974,16 @@ def test_the_backward_takes_the_head_dim_step42(cuobjdump):
         assert c["MUFU.EX2"] == twin["MUFU.EX2"] > 0, name
         assert 2 * count(c, "UTMALDG") == count(twin, "UTMALDG") > 0, name
         assert count(c, "UTMAREDG") == count(twin, "UTMAREDG") > 0, name
+
+
+def test_kernel_flags_reads_the_names_of_every_step_s_kernels():
+    """No GPU: test_steps_gpu.kernel_flags, on the names the steps' kernels carry; a name without the flags fails it (before, a
+    pattern that no longer matched step40's names was taken for a kernel without CAUSAL, and skipped that check)."""
+    from verify.tests.test_steps_gpu import kernel_flags
+    sig = "(FwdParams, (anonymous namespace)::Schedule, CUtensorMap_st)"
+    assert kernel_flags(f"void (anonymous namespace)::attention_fwd_kernel<true>{sig}") == [True]
+    assert kernel_flags(f"void (anonymous namespace)::attention_fwd_kernel<false, true, true>{sig}") == [False, True, True]
+    assert kernel_flags(f"void (anonymous namespace)::attention_fwd_kernel<__half, true, false, false>{sig}") == [True, False, False]
+    assert kernel_flags(f"void attention_fwd_kernel<__nv_bfloat16, 64, false, false, true>{sig}") == [False, False, True]
+    with pytest.raises(AssertionError, match="no PAIRED"):
+        kernel_flags(f"void (anonymous namespace)::attention_fwd_kernel{sig}")
