@@ -22,9 +22,9 @@
 // PREDICTION: fp16 as fast as bf16, call for call: the tensor cores take both at one rate, and ptxas makes the
 //   same code of both builds (below); bf16 unchanged. fp16 errors ~8x smaller than bf16's (3 more bits of precision).
 // MEASURED (results/h200/2026-12-05T04-35-28Z.json: step42's build, whose kernels at 128 are these): fp16 665-678
-//   TFLOP/s at 4K-16K, 0.96-0.97x bf16 in the same run but 1.00-1.02x per clock: fp16's products draw more power, and
-//   at the 700 W cap the clock runs 3-5% lower (SDPA cuDNN's fp16 too: 0.96-0.97x its bf16); 1.12-1.15x SDPA cuDNN
-//   fp16 (FA3's wheel has no fp16). Backward: 1.00-1.05x cuDNN fp16 (results/h200/backward-2026-12-05T04-37-50Z.json).
+//   TFLOP/s at 4K-16K, 0.96-0.97x bf16 in the same run: its products draw more power, and at the power cap the SM clock
+//   ran at 1575-1635 MHz where bf16's ran at 1650-1695 (SDPA cuDNN's fp16 too: 0.96-0.97x its bf16); 1.12-1.15x SDPA
+//   cuDNN fp16 (FA3's wheel has no fp16). Backward: 1.00-1.05x cuDNN fp16 (results/h200/backward-2026-12-05T04-37-50Z.json).
 // CHECKED: without a GPU, in the SASS (test_sass.py): the bf16 builds are step39's kernels, instruction for
 //   instruction; each fp16 build has its bf16 twin's instructions, in number and kind, but for the type of its HGMMAs
 //   and F2FP conversions. On the GPU, step42's checks (these kernels at 128), fp16 and bf16, and compute-sanitizer:

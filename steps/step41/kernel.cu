@@ -23,10 +23,10 @@
 // PREDICTION: at 64 a tile holds half the tensor-core work of 128's and the same exponentials: 16384 per CTA tile, 1024
 //   cycles of the SM's 16 MUFU lanes, as long as the tile's products at the tensor cores' peak. The exponentials bind:
 //   well under 128's rate in TFLOP/s (as FA3's is, in the issue's table). Head dim 128 unchanged.
-// MEASURED (results/h200/2026-12-05T04-35-28Z.json, step42's build: this forward): at 64, 438-446 TFLOP/s at 4K-16K,
-//   0.86-0.89x FA3 and 0.95-0.97x SDPA cuDNN (causal 0.83-0.87x FA3), at a higher clock than FA3's (1935-1965 MHz
-//   against 1770-1845): per clock 0.80-0.84x FA3. A tile takes ~2400 cycles where its products take 1024 at peak and
-//   its exponentials 1024: they barely overlap. Not the last word at 64 (FA3: 192-row tiles, three consumers).
+// MEASURED (results/h200/2026-12-05T04-35-28Z.json, step42's build: this forward): at head dim 64 the forward makes
+//   438-446 TFLOP/s at 4K-16K, 0.86-0.89x FA3 and 0.95-0.97x SDPA cuDNN (causal 0.83-0.87x FA3), at a higher clock than
+//   FA3's (1935-1965 MHz against 1770-1845). A tile takes ~2400 cycles where its products take 1024 at peak and its
+//   exponentials 1024: they barely overlap. Not the last word at 64 (FA3: 192-row tiles, three consumers).
 // CHECKED: without a GPU, in the SASS (test_sass.py): the kernels at 128 are step40's, instruction for instruction;
 //   those at 64 issue S = Q K^T in 4 k-steps where 128 takes 8, P V at N = 64, one TMA copy per tile where 128 takes
 //   two, and as many exponentials; 0 spills. On the GPU, step42's checks (this forward) at 64 and 128, bf16 and fp16,

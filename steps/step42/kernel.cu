@@ -26,8 +26,9 @@
 //   k-steps per warpgroup) and the exponentials stay: the backward at 64 runs well under its rate at 128 in TFLOP/s, as
 //   the forward does; 128 unchanged. The dQ reduction moves as many bytes per tile as at 128 (two partials of 64 dims),
 //   twice as many per FLOP: the cap FA3's notes name for the backward at 128 weighs double at 64.
-// MEASURED (results/h200/backward-2026-12-05T04-37-50Z.json): at 64, 328-398 TFLOP/s at 4K-16K, 0.79-0.90x SDPA
-//   cuDNN (causal 0.90-0.93x); deterministic 0.63-0.79x. At 128 0.97-1.02x step39 in the same run (the same kernels).
+// MEASURED (results/h200/backward-2026-12-05T04-37-50Z.json): the backward at head dim 64 makes 328-398 TFLOP/s at
+//   4K-16K, 0.79-0.90x SDPA cuDNN (causal 0.90-0.93x; deterministic 0.63-0.79x). At 128 0.97-1.02x step39 in the same
+//   run (the same kernels).
 // CHECKED: without a GPU, in the SASS (test_sass.py): every kernel at 128 is step41's, instruction for instruction;
 //   at 64 each dK/dV kernel issues half the m64n80 HGMMAs (S^T, dP^T, and dQ^T's 4 k-steps a warpgroup), dV's and
 //   dK's at N = 64, half the TMA loads, as many dQ reductions and exponentials; 0 spills. On the GPU, every check at

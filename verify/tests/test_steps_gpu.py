@@ -612,7 +612,7 @@ def test_the_launcher_picks_the_kernel_the_shape_calls_for(mod, shape):
 def kernel_flags(name: str) -> list[bool]:
     """The bool template arguments of a forward kernel's name, in order: attention_fwd_kernel<__nv_bfloat16, 128, true,
     false, false> (step41 on: the type, the head dim, then PAIRED, SPLIT, CAUSAL) gives [True, False, False]; step40's
-    has no head dim, step39's no type, step20's no CAUSAL, steps 16-19's PAIRED alone."""
+    has no head dim, step39's no type, step20's no CAUSAL, and the paired kernels before it PAIRED alone."""
     args = re.search(r"attention_fwd_kernel<([^<>]*)>", name)
     flags = [a == "true" for a in re.findall(r"\b(true|false)\b", args.group(1))] if args else []
     assert 1 <= len(flags) <= 3, f"no PAIRED, SPLIT, CAUSAL arguments in {name}"
