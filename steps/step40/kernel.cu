@@ -25,10 +25,9 @@
 //   TFLOP/s at 4K-16K, 0.96-0.97x bf16 in the same run: its products draw more power, and at the power cap the SM clock
 //   ran at 1575-1635 MHz where bf16's ran at 1650-1695 (SDPA cuDNN's fp16 too: 0.96-0.97x its bf16); 1.12-1.15x SDPA
 //   cuDNN fp16 (FA3's wheel has no fp16). Backward: 1.00-1.05x cuDNN fp16 (results/h200/backward-2026-12-05T04-37-50Z.json).
-// CHECKED: without a GPU, in the SASS (test_sass.py): the bf16 builds are step39's kernels, instruction for
-//   instruction; each fp16 build has its bf16 twin's instructions, in number and kind, but for the type of its HGMMAs
-//   and F2FP conversions. On the GPU, step42's checks (these kernels at 128), fp16 and bf16, and compute-sanitizer:
-//   results/h200/2026-12-05-part4/.
+// CHECKED: on the GPU, step42's checks (these kernels at 128), fp16 and bf16, and compute-sanitizer (results/h200/
+//   2026-12-05-part4/); in the SASS (test_sass.py), the bf16 builds are step39's kernels instruction for instruction,
+//   and each fp16 build is its bf16 twin but for the type of its HGMMAs and F2FP conversions.
 #include <climits>
 
 #include "flashladder.cuh"

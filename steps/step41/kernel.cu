@@ -16,21 +16,18 @@
 //   The forward's kernels take the head dim as a template parameter, D (64 or 128), and the launcher picks one by the
 //   call's (FwdParams' head_dim). D sets how many 64-column halves a row has in shared memory (1 or 2: common/swizzle.cuh),
 //   the k-steps of S = Q K^T (D / 16), the width of O += P V (wgmma N = D: m64n64k16 at 64) and O's registers (D / 2
-//   per thread); the tiles stay 128 queries x 128 keys, the schedule, the softmax and the split tail as they were. At 64
-//   every call runs one CTA per cluster: a pair splits each K/V tile by its two halves, and a row of 64 has one. The
-//   backward stays at 128 (flashladder_bwd_head_dims): the drop-in leaves a call at 64 that needs gradients to torch.
+//   per thread); tiles, schedule and softmax as they were. At 64 a call runs one CTA per cluster (a pair splits a K/V
+//   tile by its two halves). The backward stays at 128: a call at 64 that needs gradients goes to torch.
 // WHY: CogVideoX, LTX-Video, SD3 and GPT-OSS pass head dim 64; the drop-in sent every such call back to torch.
 // PREDICTION: at 64 a tile holds half the tensor-core work of 128's and the same exponentials: 16384 per CTA tile, 1024
 //   cycles of the SM's 16 MUFU lanes, as long as the tile's products at the tensor cores' peak. The exponentials bind:
 //   well under 128's rate in TFLOP/s (as FA3's is, in the issue's table). Head dim 128 unchanged.
-// MEASURED (results/h200/2026-12-05T04-35-28Z.json, step42's build: this forward): at head dim 64 the forward makes
-//   438-446 TFLOP/s at 4K-16K, 0.86-0.89x FA3 and 0.95-0.97x SDPA cuDNN (causal 0.83-0.87x FA3), at a higher clock than
-//   FA3's (1935-1965 MHz against 1770-1845). A tile takes ~2400 cycles where its products take 1024 at peak and its
-//   exponentials 1024: they barely overlap. Not the last word at 64 (FA3: 192-row tiles, three consumers).
-// CHECKED: without a GPU, in the SASS (test_sass.py): the kernels at 128 are step40's, instruction for instruction;
-//   those at 64 issue S = Q K^T in 4 k-steps where 128 takes 8, P V at N = 64, one TMA copy per tile where 128 takes
-//   two, and as many exponentials; 0 spills. On the GPU, step42's checks (this forward) at 64 and 128, bf16 and fp16,
-//   and compute-sanitizer: results/h200/2026-12-05-part4/.
+// MEASURED (results/h200/2026-12-05T04-35-28Z.json, step42's build: this forward): at head dim 64 it makes 438-446
+//   TFLOP/s at 4K-16K, 0.86-0.89x FA3 (causal 0.83-0.87x) and 0.95-0.97x SDPA cuDNN. A tile takes ~2400 cycles where its
+//   products take 1024 at peak and its exponentials 1024: they barely overlap (FA3: 192-row tiles, three consumers).
+// CHECKED: on the GPU, step42's checks (this forward) at 64 and 128, bf16 and fp16, and compute-sanitizer (results/h200/
+//   2026-12-05-part4/); in the SASS (test_sass.py), the kernels at 128 are step40's instruction for instruction, those
+//   at 64 take half the k-steps of S and one TMA copy per tile, as many exponentials; 0 spills.
 #include <climits>
 
 #include "flashladder.cuh"

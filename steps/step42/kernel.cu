@@ -13,26 +13,20 @@
 // 39 the turns from the last key tile -> 40 fp16 -> 41 head dim 64 -> 42 the backward at 64.
 //
 // WHAT CHANGED FROM STEP41
-//   The backward's kernels take the head dim as a template parameter too (D, 64 or 128), as step41's forward does: it
-//   sets the halves of the Q, dO, K and V tiles, the k-steps of S^T and dP^T (D / 16), the width of dV and dK (wgmma
-//   N = D) and the rows of the dQ accumulator. One product cannot follow: at 128 each consumer warpgroup computes
-//   dQ^T = K^T dS^T for its half of the head dim (M = 64 dims) over all 128 keys; at 64 there is one half. There each
-//   warpgroup computes all 64 dims over its own 64 keys (4 k-steps, its half of dS) and stages the partial in its own
-//   half of the dQ tile (the same 40 KB, the same four boxes); the reducer adds both partials into the accumulator's 64
-//   columns (deterministic calls: the second once the first has landed, so that the sums come in one order).
+//   The backward's kernels take the head dim as a template parameter too (D, 64 or 128): it sets the halves of the Q,
+//   dO, K and V tiles, the k-steps of S^T and dP^T (D / 16), the width of dV and dK (wgmma N = D) and the dQ
+//   accumulator's rows. One product cannot follow: at 128 each consumer warpgroup computes dQ^T = K^T dS^T for its half
+//   of the head dim over all 128 keys; at 64 there is one half. There each warpgroup computes all 64 dims over its own
+//   64 keys and stages the partial in its half of the dQ tile; the reducer adds both (deterministic: in one order).
 // WHY: with step41 the forward takes head dim 64, but a model training at 64 (CogVideoX, LTX-Video, SD3) still sent
 //   every call that needs a gradient back to torch.
-// PREDICTION: at 64 the five products per tile halve (S^T and dP^T over 4 k-steps, dV and dK at N = 64, dQ^T's 4
-//   k-steps per warpgroup) and the exponentials stay: the backward at 64 runs well under its rate at 128 in TFLOP/s, as
-//   the forward does; 128 unchanged. The dQ reduction moves as many bytes per tile as at 128 (two partials of 64 dims),
-//   twice as many per FLOP: the cap FA3's notes name for the backward at 128 weighs double at 64.
-// MEASURED (results/h200/backward-2026-12-05T04-37-50Z.json): the backward at head dim 64 makes 328-398 TFLOP/s at
-//   4K-16K, 0.79-0.90x SDPA cuDNN (causal 0.90-0.93x; deterministic 0.63-0.79x). At 128 0.97-1.02x step39 in the same
-//   run (the same kernels).
-// CHECKED: without a GPU, in the SASS (test_sass.py): every kernel at 128 is step41's, instruction for instruction;
-//   at 64 each dK/dV kernel issues half the m64n80 HGMMAs (S^T, dP^T, and dQ^T's 4 k-steps a warpgroup), dV's and
-//   dK's at N = 64, half the TMA loads, as many dQ reductions and exponentials; 0 spills. On the GPU, every check at
-//   64 and 128, bf16 and fp16, the determinism test at 64 included, and compute-sanitizer: results/h200/2026-12-05-part4/.
+// PREDICTION: at 64 the products per tile halve and the exponentials stay: well under 128's rate in TFLOP/s, as the
+//   forward; 128 unchanged. The dQ reduction moves as many bytes per tile as at 128: twice as many per FLOP.
+// MEASURED (results/h200/backward-2026-12-05T04-37-50Z.json): at head dim 64 it makes 328-398 TFLOP/s at 4K-16K,
+//   0.79-0.90x SDPA cuDNN (causal 0.90-0.93x; deterministic 0.63-0.79x); at 128 0.97-1.02x step39 (the same kernels).
+// CHECKED: on the GPU, every check at 64 and 128, bf16 and fp16 (determinism at 64 included), and compute-sanitizer
+//   (results/h200/2026-12-05-part4/); in the SASS (test_sass.py), every kernel at 128 is step41's instruction for
+//   instruction; at 64 each dK/dV kernel issues half the HGMMAs of S^T and dP^T, as many exponentials; 0 spills.
 #include <climits>
 
 #include "flashladder.cuh"
